@@ -1,0 +1,88 @@
+"""The calculator tool the chat model learns to call between <|python_start|> and <|python_end|>.
+
+A whitelist evaluator over Python's AST: numbers, + - * / // % **, unary signs, parentheses, and
+`'word'.count('x')` for letter counting. No names, calls or attributes beyond that, bounded exponents
+and sizes, and a wall-clock limit, so a model (or a user) cannot make it do anything else.
+"""
+from __future__ import annotations
+
+import ast
+import operator
+import signal
+import threading
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPR_CHARS = 200
+MAX_MAGNITUDE = 10 ** 30
+
+
+class CalculatorError(ValueError):
+    pass
+
+
+def _eval(node):
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10 ** 6):
+            raise CalculatorError("exponent too large")
+        out = _BINOPS[type(node.op)](left, right)
+        if isinstance(out, (int, float)) and abs(out) > MAX_MAGNITUDE:
+            raise CalculatorError("result too large")
+        return out
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
+        return _UNOPS[type(node.op)](_eval(node.operand))
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
+            and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str)
+            and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return node.func.value.value.count(node.args[0].value)
+    raise CalculatorError(f"unsupported expression: {ast.dump(node)[:60]}")
+
+
+def format_number(x) -> str:
+    if isinstance(x, float):
+        if x.is_integer():
+            return str(int(x))
+        return f"{x:.6g}"
+    return str(x)
+
+
+def calculate(expr: str, timeout_s: float = 0.1) -> str:
+    """Evaluate `expr`; returns the result as text, or raises CalculatorError."""
+    expr = expr.strip()
+    if not expr or len(expr) > MAX_EXPR_CHARS:
+        raise CalculatorError("empty or too long expression")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise CalculatorError(f"syntax error: {e.msg}") from None
+    # the AST bounds make evaluation fast; the alarm is a second guard where signals are available
+    use_alarm = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if use_alarm:
+        def _timeout(*_):
+            raise CalculatorError("timed out")
+        old = signal.signal(signal.SIGALRM, _timeout)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return format_number(_eval(tree))
+    except ZeroDivisionError:
+        raise CalculatorError("division by zero") from None
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+def try_calculate(expr: str) -> str:
+    """Tool result as the model sees it: the value, or 'error'."""
+    try:
+        return calculate(expr)
+    except CalculatorError:
+        return "error"

@@ -1,0 +1,231 @@
+"""The GPT decoder: RoPE, RMSNorm, QK-norm, grouped-query attention, relu^2 MLP, untied head.
+
+Knows nothing of data, DVC, HTTP or precision backends: a backend swaps `nn.Linear` modules after the
+model is built (see model/precision), so there are no precision branches here.
+
+The forward pass has two modes:
+- training / scoring: `model(idx, targets)` with plain causal attention (fast SDPA path);
+- generation: `model(idx, kv_cache=cache)` where `cache` is a `KVCache` whose rows may hold sequences
+  of different lengths (continuous batching); new tokens are written at each row's own position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_kv_head: int = 2
+    seq_len: int = 256  # longest context the model is trained for (RoPE table is longer)
+    rope_base: float = 10000.0
+    logit_softcap: float = 15.0  # tanh cap on logits, stabilises small models
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError("head dimension must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    # parameter-free RMSNorm: fewer parameters and no precision question about norm weights
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D/2)
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys and values for up to `batch` sequences of up to `max_len` tokens.
+
+    Rows are independent sequences; `lengths[b]` counts the tokens row b holds. `view(start, stop)`
+    gives a cache over a contiguous range of rows that shares storage (no copy), which is how an
+    engine prefills one new request while others keep their rows.
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, config.n_kv_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @classmethod
+    def _from_parts(cls, k, v, lengths, max_len):
+        c = cls.__new__(cls)
+        c.k, c.v, c.lengths, c.max_len = k, v, lengths, max_len
+        return c
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def view(self, start: int, stop: int) -> "KVCache":
+        return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
+                                   self.lengths[start:stop], self.max_len)
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Move row src into row dst (used to keep active rows contiguous)."""
+        n = int(self.lengths[src])
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = self.lengths[src]
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.c_q = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, kv_cache: KVCache | None, positions):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = norm(apply_rope(q, cos, sin)), norm(apply_rope(k, cos, sin))  # QK-norm
+        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        else:
+            kc, vc = kv_cache.k[layer], kv_cache.v[layer]
+            rows = torch.arange(B, device=x.device)[:, None]
+            # advanced indices around a slice put (B, T) first: assign (B, T, H, D)
+            kc[rows, :, positions] = k.transpose(1, 2).to(kc.dtype)
+            vc[rows, :, positions] = v.transpose(1, 2).to(vc.dtype)
+            n_keys = int(positions.max()) + 1
+            keys, values = kc[:, :, :n_keys].to(q.dtype), vc[:, :, :n_keys].to(q.dtype)
+            mask = torch.arange(n_keys, device=x.device)[None, None, :] <= positions[:, :, None]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], **gqa)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn = Attention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, layer, kv_cache, positions):
+        x = x + self.attn(norm(x), cos, sin, layer, kv_cache, positions)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # RoPE tables 4x the training context, so generation can run a little past it
+        self.rope_len = config.seq_len * 4
+        cos, sin = self._rope_tables(self.rope_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rope_tables(self, n: int):
+        d = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
+        return freqs.cos(), freqs.sin()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init: uniform with std 1/sqrt(fan_in) for inputs, zero output projections."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        d = self.config.n_embd
+        self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=g))
+        self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=g) * 0.001)
+        bound = math.sqrt(3.0) / math.sqrt(d)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                lin.weight.copy_(torch.rand(lin.weight.shape, generator=g) * 2 * bound - bound)
+            # zero-init residual outputs: each block starts as the identity
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), counted from the shape alone.
+
+        6 x matmul parameters (embedding lookup excluded) + 12 x layers x width x context for attention
+        scores; it never looks at module types, so it stays the same whatever backend swapped the Linears.
+        """
+        c = self.config
+        per_layer = c.n_embd * (c.n_head + 2 * c.n_kv_head) * c.head_dim + c.n_embd ** 2 + 8 * c.n_embd ** 2
+        matmul_params = c.n_layer * per_layer + c.n_embd * c.vocab_size
+        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.seq_len
+
+    def forward(self, idx, targets=None, loss_mask=None, kv_cache: KVCache | None = None,
+                reduction: str = "mean"):
+        B, T = idx.shape
+        if kv_cache is None:
+            if T > self.rope_len:
+                raise ValueError(f"sequence of {T} tokens exceeds the model's RoPE table ({self.rope_len})")
+            cos, sin = self.cos[None, None, :T], self.sin[None, None, :T]
+            positions = None
+        else:
+            positions = kv_cache.lengths[:, None] + torch.arange(T, device=idx.device)[None, :]
+            if int(positions.max()) >= min(kv_cache.max_len, self.rope_len):
+                raise ValueError("sequence is longer than the KV cache / context")
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        x = norm(self.wte(idx))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, i, kv_cache, positions)
+        x = norm(x)
+        if kv_cache is not None:
+            kv_cache.lengths += T
+        logits = self.lm_head(x).float()
+        cap = self.config.logit_softcap
+        logits = cap * torch.tanh(logits / cap)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none")
+        if loss_mask is not None:
+            m = loss_mask.view(-1).float()
+            if reduction == "none":
+                return loss * m
+            return (loss * m).sum() / m.sum().clamp(min=1.0)
+        return loss if reduction == "none" else loss.mean()

@@ -1,0 +1,35 @@
+"""Precision backends, keyed by the name used in params.yaml (`precision.backend`).
+
+Every backend implements `base.PrecisionBackend`: `check(device)` (runs here, or says exactly why not),
+`convert(model)` (swap Linear modules), `autocast(device)`. See each file's docstring for the format.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import BackendUnavailable, LayerFilter, PrecisionBackend
+from .bf16 import BF16Backend
+
+BACKENDS: dict[str, type[PrecisionBackend]] = {
+    BF16Backend.name: BF16Backend,
+}
+
+
+def get_backend(name: str, options: dict | None = None, layer_filter: LayerFilter | None = None) -> PrecisionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown precision backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name](options, layer_filter)
+
+
+def available_backends(device: torch.device) -> list[str]:
+    out = []
+    for name, cls in BACKENDS.items():
+        try:
+            if cls().unavailable_reason(device) is None:
+                out.append(name)
+        except Exception:  # a broken optional install must not hide the others
+            pass
+    return out
+
+
+__all__ = ["BACKENDS", "BackendUnavailable", "LayerFilter", "PrecisionBackend", "get_backend", "available_backends"]
