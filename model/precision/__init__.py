@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from .base import BackendUnavailable, LayerFilter, PrecisionBackend
+from .auto import AutoBackend
+from .base import BackendUnavailable, LayerFilter, PrecisionBackend, disable_low_precision
 from .bf16 import BF16Backend
+from .emulated import Fp8EmulatedBackend, Nvfp4EmulatedBackend
+from .fp8 import Fp8Backend
+from .te_fp8 import TEFp8Backend
+from .te_nvfp4 import TENvfp4Backend
 
 BACKENDS: dict[str, type[PrecisionBackend]] = {
-    BF16Backend.name: BF16Backend,
+    cls.name: cls for cls in (BF16Backend, Fp8Backend, TEFp8Backend, TENvfp4Backend, Fp8EmulatedBackend,
+                              Nvfp4EmulatedBackend, AutoBackend)
 }
 
 
@@ -24,6 +30,8 @@ def get_backend(name: str, options: dict | None = None, layer_filter: LayerFilte
 def available_backends(device: torch.device) -> list[str]:
     out = []
     for name, cls in BACKENDS.items():
+        if cls is AutoBackend:
+            continue
         try:
             if cls().unavailable_reason(device) is None:
                 out.append(name)
@@ -32,4 +40,5 @@ def available_backends(device: torch.device) -> list[str]:
     return out
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "LayerFilter", "PrecisionBackend", "get_backend", "available_backends"]
+__all__ = ["BACKENDS", "BackendUnavailable", "LayerFilter", "PrecisionBackend", "get_backend", "available_backends",
+           "disable_low_precision"]

@@ -27,7 +27,7 @@ class LayerFilter:
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __call__(self, fqn: str, module: nn.Module) -> bool:
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or getattr(module, "is_low_precision", False):
             return False
         if any(s and s in fqn for s in self.skip):
             return False
@@ -48,9 +48,37 @@ def swap_linears(model: nn.Module, layer_filter: Callable[[str, nn.Module], bool
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None when `device` is not an available CUDA device.
+
+    Every backend asks this one helper (as `base.cuda_capability`), so tests simulate a GPU by
+    monkeypatching it rather than by mocking the backends' own checks."""
+    device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)
+
+
+def sm(cap: tuple[int, int] | None) -> str:
+    return "no CUDA GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
+
+
+# Evaluation switch: converted modules fall back to their high-precision path while this is off.
+_LOW_PRECISION = {"enabled": True}
+
+
+def low_precision_enabled() -> bool:
+    return _LOW_PRECISION["enabled"]
+
+
+@contextlib.contextmanager
+def disable_low_precision():
+    """Run converted modules in the compute dtype (e.g. for evaluation): `with disable_low_precision():`."""
+    old = _LOW_PRECISION["enabled"]
+    _LOW_PRECISION["enabled"] = False
+    try:
+        yield
+    finally:
+        _LOW_PRECISION["enabled"] = old
 
 
 class PrecisionBackend:
@@ -79,12 +107,24 @@ class PrecisionBackend:
 
     # -- what the training loop uses ------------------------------------------------------------
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        """The dtype non-converted ops (and the high-precision side of converted ones) compute in.
+        The one place this is decided; `compute_dtype_reason` says why."""
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+    def compute_dtype_reason(self, device: torch.device) -> str:
+        if torch.device(device).type == "cuda":
+            return "CUDA: bf16 autocast over fp32 master weights"
+        return "CPU: fp32 (CPU bf16 matmuls are slower than fp32 on most CPUs; keeps the baseline exact)"
+
+    def notes(self, device: torch.device) -> list[str]:
+        """Extra lines for the log (e.g. 'real FP8 on CPU: no speedup')."""
+        return []
 
     def convert(self, model: nn.Module) -> nn.Module:
         return model
 
     def autocast(self, device: torch.device):
+        device = torch.device(device)
         dtype = self.compute_dtype(device)
         if dtype == torch.float32:
             return contextlib.nullcontext()
@@ -93,8 +133,14 @@ class PrecisionBackend:
     def describe(self, device: torch.device) -> str:
         """One line for the log: what runs, in what dtype, and why."""
         label = " (EMULATED numerics: high-precision matmuls, no speedup)" if self.emulated else ""
-        return f"precision backend {self.name}{label}: compute dtype {self.compute_dtype(device)}, " \
-               f"{self.converted} Linear layers converted"
+        line = (f"precision backend {self.label}{label}: compute dtype {self.compute_dtype(device)} "
+                f"({self.compute_dtype_reason(device)}), {self.converted} Linear layers converted")
+        return "; ".join([line] + self.notes(device))
+
+    @property
+    def label(self) -> str:
+        """Name plus the options that change numerics, e.g. 'te-fp8[current]'."""
+        return self.name
 
 
 def describe_device(device: torch.device) -> str:
@@ -102,3 +148,34 @@ def describe_device(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}"
     return str(device)
+
+
+class ConvertedLinear(nn.Linear):
+    """Base of our own swapped-in Linears: same `weight`/`bias` Parameters (same objects, so names,
+    checkpoints and an optimizer built afterwards are unchanged), a different forward."""
+    is_low_precision = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ConvertedLinear":
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight = linear.weight
+        if linear.bias is not None:
+            new.bias = linear.bias
+        new.configure(**kwargs)
+        return new
+
+    def configure(self, **kwargs) -> None:
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", {type(self).__name__}"
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The high-precision dtype a converted Linear computes in: the autocast dtype when autocast is on
+    for x's device, else x's own dtype (fp32 on CPU)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype

@@ -1,0 +1,107 @@
+"""auto: the fastest backend that passed the probe on this machine.
+
+Choice, in order:
+1. A probe.json (from `sparkchat probe`; path in params `precision.auto.probe_file`) measured on a GPU
+   of the same name and compute capability: the highest tokens/s among entries that ran, are not
+   emulated, and whose loss stayed within `max_loss_diff_pct` (default 1%) of bf16; its options too.
+2. Otherwise a static order, first one that is available here: PREFERENCE below, which is what the
+   probe measured on an H200 (bench/results/): fp8 first (compiled, fastest there), then te-fp8 with
+   current scaling, then bf16. NVFP4 is never chosen without a probe (its loss needs checking first).
+The log says which it chose and why. Everything else delegates to the chosen backend.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .base import PrecisionBackend, describe_device
+
+PREFERENCE = [("fp8", {}), ("te-fp8", {"recipe": "current"}), ("bf16", {})]
+
+
+class AutoBackend(PrecisionBackend):
+    name = "auto"
+    DEFAULTS = {"probe_file": "probe.json", "max_loss_diff_pct": 1.0}
+
+    def __init__(self, options=None, layer_filter=None):
+        super().__init__(options, layer_filter)
+        self.cfg = {**self.DEFAULTS, **self.options}
+        self.chosen: PrecisionBackend | None = None
+        self.reason = ""
+
+    def _from_probe(self, device):
+        path = Path(self.cfg["probe_file"])
+        if not path.is_file():
+            return None, f"no probe file at {path}"
+        data = json.loads(path.read_text())
+        here = describe_device(device)
+        if data.get("device") != here:
+            return None, f"{path} was measured on {data.get('device')!r}, this is {here!r}"
+        ok = [r for r in data.get("results", [])
+              if r.get("ran") and not r.get("emulated") and r.get("tokens_per_s")
+              and r.get("loss_diff_pct") is not None and abs(r["loss_diff_pct"]) <= float(self.cfg["max_loss_diff_pct"])]
+        if not ok:
+            return None, f"{path} has no non-emulated backend within {self.cfg['max_loss_diff_pct']}% of bf16 loss"
+        best = max(ok, key=lambda r: r["tokens_per_s"])
+        return (best["backend"], best.get("options") or {}), \
+            f"fastest in {path}: {best['tokens_per_s']:.0f} tok/s ({best.get('speedup', 0):.2f}x bf16), " \
+            f"loss {best['loss_diff_pct']:+.2f}% vs bf16"
+
+    def select(self, device) -> PrecisionBackend:
+        from . import get_backend
+        if self.chosen is not None:
+            return self.chosen
+        device = torch.device(device)
+        pick, why = self._from_probe(device)
+        if pick is not None:
+            cand = get_backend(pick[0], pick[1], self.layer_filter)
+            if cand.unavailable_reason(device) is None:
+                self.chosen, self.reason = cand, why
+                return cand
+            why = f"probe's pick {pick[0]} does not run here"
+        if device.type != "cuda":  # low precision brings no speedup off the GPU
+            self.chosen, self.reason = get_backend("bf16", {}, self.layer_filter), f"{why}; not a CUDA device"
+            return self.chosen
+        for name, opts in PREFERENCE:
+            cand = get_backend(name, opts, self.layer_filter)
+            r = cand.unavailable_reason(device)
+            if r is None:
+                self.chosen, self.reason = cand, f"{why}; static preference {[n for n, _ in PREFERENCE]}: first available"
+                return cand
+        raise RuntimeError("no backend available")  # bf16 always is
+
+    # -- delegation ---------------------------------------------------------------------------
+    def unavailable_reason(self, device):
+        return None  # bf16 always runs, so auto always finds something
+
+    def check(self, device):
+        self.select(device)
+
+    @property
+    def supports_compile(self):
+        return self.chosen.supports_compile if self.chosen else True
+
+    @property
+    def emulated(self):
+        return self.chosen.emulated if self.chosen else False
+
+    def compute_dtype(self, device):
+        return self.select(device).compute_dtype(device)
+
+    def compute_dtype_reason(self, device):
+        return self.select(device).compute_dtype_reason(device)
+
+    def convert(self, model):
+        dev = next(model.parameters()).device
+        out = self.select(dev).convert(model)
+        self.converted = self.chosen.converted
+        return out
+
+    def autocast(self, device):
+        return self.select(device).autocast(device)
+
+    def describe(self, device):
+        chosen = self.select(device)
+        return f"auto -> {chosen.label} ({self.reason}); " + chosen.describe(device)

@@ -1,0 +1,124 @@
+"""Native FP8 training through `torch._scaled_mm`: per-tensor dynamic scaling, written here.
+
+The format. FP8 e4m3 (max 448, 3 mantissa bits) holds weights and activations; e5m2 (max 57344, 2
+mantissa bits) holds gradients, which need range more than precision. Each tensor gets one FP32 scale
+per step, s = fmt_max / amax(tensor), so its largest value lands at the top of the format; the GEMM
+multiplies FP8 operands on the tensor cores, accumulates in FP32 and multiplies the result by the two
+inverse scales before writing bf16 (or fp32 for the weight gradient, straight into the master dtype).
+
+The three GEMMs of a Linear y = x W^T (x: M x K tokens-by-features, W: N x K):
+    forward  y  = x  @ W^T     e4m3 x e4m3  -> bf16
+    dgrad    dx = dy @ W       e5m2 x e4m3  -> bf16
+    wgrad    dW = dy^T @ x     e5m2 x e4m3  -> fp32
+They live in one autograd Function, so the casts are visible to torch.compile, which fuses each
+amax + scale + cast (and the transposes the backward needs) into the neighbouring kernels. Uncompiled,
+those casts are separate memory passes and FP8 is slower than bf16; compile is what makes it pay.
+
+What the kernel requires (cuBLASLt on sm_89+): the first operand row-major, the second column-major
+(`b.t()` of a contiguous tensor), inner dimension and both outer dimensions divisible by 16, FP32
+scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multiple=16, and the
+`.t().contiguous().t()` calls below that produce the column-major copies.
+`use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only by default
+(`fast_accum: forward`); gradients accumulate at full precision (`none` / `all` to change).
+
+On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
+it brings no speedup there (the log says so). Backend name: `fp8`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import base
+from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
+from .formats import E4M3, E5M2, quantize_fp8
+
+FAST_ACCUM = ("forward", "all", "none")
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """Same values, column-major storage (what _scaled_mm wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_fp8(x2, E4M3)
+        wq, ws = quantize_fp8(w, E4M3)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        # keep the FP8 copies for backward: a quarter of the bf16 activation memory
+        ctx.save_for_backward(xq, xs, wq, ws)
+        ctx.fast_bwd = fast_bwd
+        ctx.dtypes = (x.dtype, w.dtype)
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq, xs, wq, ws = ctx.saved_tensors
+        xdt, wdt = ctx.dtypes
+        g2 = gy.reshape(-1, gy.shape[-1])
+        gq, gs = quantize_fp8(g2, E5M2)
+        gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
+                              use_fast_accum=ctx.fast_bwd)
+        gw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs,
+                              out_dtype=torch.float32, use_fast_accum=ctx.fast_bwd)
+        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None
+
+
+class Fp8Linear(ConvertedLinear):
+    fast_fwd, fast_bwd = True, False
+
+    def forward(self, x):
+        if not low_precision_enabled():
+            return super().forward(x)
+        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Fp8Backend(PrecisionBackend):
+    """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none."""
+    name = "fp8"
+    MIN_CAPABILITY = (8, 9)
+
+    def __init__(self, options=None, layer_filter=None):
+        super().__init__(options, layer_filter)
+        unknown = set(self.options) - {"fast_accum"}
+        if unknown:
+            raise ValueError(f"unknown fp8 option(s) {sorted(unknown)}; known: ['fast_accum']")
+        self.fast_accum = self.options.get("fast_accum", "forward")
+        if self.fast_accum not in FAST_ACCUM:
+            raise ValueError(f"precision.fp8.fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
+
+    def unavailable_reason(self, device):
+        device = torch.device(device)
+        if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+            return f"this torch ({torch.__version__}) has no float8 dtypes / torch._scaled_mm (needs torch >= 2.5)"
+        if device.type == "cpu":
+            return None  # torch >= 2.13 runs _scaled_mm on CPU: real code path, no speedup
+        if device.type != "cuda":
+            return f"native FP8 runs on CUDA (sm_89+) or CPU, not on {device.type}"
+        cap = base.cuda_capability(device)
+        if cap is None:
+            return "CUDA is not available"
+        if cap < self.MIN_CAPABILITY:
+            return (f"FP8 tensor cores need compute capability 8.9 or higher (Ada L4/L40/RTX 40xx, Hopper H100/H200, "
+                    f"Blackwell); this GPU is {sm(cap)}. fp8-emulated shows the same numerics here, without speedup")
+        return None
+
+    def notes(self, device):
+        if torch.device(device).type == "cpu":
+            return ["fp8 on CPU runs the real _scaled_mm path for correctness only: no speedup on CPU"]
+        return []
+
+    @property
+    def label(self) -> str:
+        return self.name if self.fast_accum == "forward" else f"{self.name}[fast_accum={self.fast_accum}]"
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        fast_fwd = self.fast_accum in ("forward", "all")
+        fast_bwd = self.fast_accum == "all"
+        self.converted = swap_linears(model, self.layer_filter,
+                                      lambda lin: Fp8Linear.from_linear(lin, fast_fwd=fast_fwd, fast_bwd=fast_bwd))
+        return model
