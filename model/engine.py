@@ -1,0 +1,382 @@
+"""Generation engine: KV-cache prefill/decode, sampling and continuous batching, on token ids only.
+
+The engine knows nothing about text. A caller hands it prompt ids and `SamplingParams`, and receives
+the generated ids one event at a time through a `sink` callback; tokenizing, chat templates and stop
+*strings* are the serving layer's business.
+
+Continuous batching. One `KVCache` holds `max_batch` rows. The active sequences always occupy rows
+0..n-1. Between decode steps the scheduler admits waiting requests: each is prefilled alone in row n
+(`cache.view(n, n+1)`), then every active row decodes together in one forward over `cache.view(0, n)`.
+A finished or cancelled row leaves at once: the last active row is moved into its slot (`copy_row`), so
+the rows stay contiguous and the next step is again one forward over rows 0..n-1.
+
+Sampling. Each request owns a `torch.Generator` (seeded => the same request gives the same ids); per
+step it draws one uniform number per row, and the batched sampler (temperature, top-k, top-p) turns it
+into a token by inverse-CDF, so a row's randomness never depends on its neighbours.
+
+Tools. If the model emits `tool_start ... tool_end` (the calculator call), the engine passes the ids in
+between to the `tool` callback and force-feeds the ids it returns (e.g. <|output_start|> 4
+<|output_end|>) before sampling again; the engine never sees the expression as text.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .gpt import KVCache
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class QueueFull(EngineError):
+    """The waiting queue holds `max_queue` requests already."""
+
+
+class PromptTooLong(EngineError):
+    """The prompt does not leave room for even one generated token in the context."""
+
+
+class EngineStopped(EngineError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+    max_tokens: int = 256
+    """Generated ids at most (forced tool ids included); the context limit may stop earlier."""
+    seed: int | None = None
+    """Seeds the request's own generator; None draws fresh entropy."""
+
+    def __post_init__(self):
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Token:
+    """One generated id. `forced` marks ids fed by a tool rather than sampled."""
+    id: int
+    forced: bool = False
+
+
+@dataclass
+class Finished:
+    """Last event of a request. reason: 'stop' (a stop id), 'length', 'cancelled' or 'error'."""
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+Sink = Callable[[object], None]  # receives Token and finally one Finished
+Tool = Callable[[list[int]], Sequence[int]]
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           uniform: torch.Tensor) -> torch.Tensor:
+    """Batched sampling with per-row settings. logits (B, V); the rest (B,). Returns ids (B,).
+
+    Rows with temperature 0 take the argmax. Others sort once, cut to top-k and top-p, and pick the
+    token where the cumulative probability first exceeds `uniform` (inverse CDF).
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    V = logits.shape[-1]
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    vals, idx = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
+    vals = vals.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    cum = probs.cumsum(dim=-1)
+    # keep a token if the mass before it is below top_p (the first token is always kept)
+    keep = (cum - probs) < top_p[:, None]
+    probs = probs * keep
+    cum = probs.cumsum(dim=-1)
+    target = uniform[:, None] * cum[:, -1:]
+    choice = torch.searchsorted(cum, target).clamp(max=V - 1).squeeze(-1)
+    sampled = idx.gather(-1, choice[:, None]).squeeze(-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+class Request:
+    """A submitted generation. `cancel()` may be called from any thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink: Sink, max_new: int):
+        self.rid = next(Request._ids)
+        self.prompt = prompt
+        self.params = params
+        self.sink = sink
+        self.max_new = max_new  # max_tokens clipped to the room left in the context
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+        self.generated = 0
+        self.last = -1  # the id to feed at the next decode step
+        self.forced: collections.deque[int] = collections.deque()
+        self.tool_buf: list[int] | None = None  # ids of a tool call being written
+        self.cancelled = False
+        self.done = False
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 16
+    """Rows of the KV cache: requests decoded together."""
+    max_queue: int = 64
+    """Requests allowed to wait for a row; one more is refused with QueueFull."""
+    max_len: int | None = None
+    """Context per sequence (prompt + generated); default: the model's training context."""
+    stop_ids: tuple[int, ...] = ()
+    """Ids that end a reply (not emitted), e.g. <|assistant_end|> and <|bos|>."""
+    tool_start: int | None = None
+    tool_end: int | None = None
+    max_tool_ids: int = 64
+    """A tool call longer than this is abandoned (the ids stay plain output)."""
+    dtype: torch.dtype | None = None
+    """KV-cache dtype; default: the model's parameter dtype."""
+
+
+class Engine:
+    """Continuous-batching generator over one model. `start()` runs the scheduler in a thread."""
+
+    def __init__(self, model, config: EngineConfig, tool: Tool | None = None):
+        self.model = model
+        self.config = config
+        self.tool = tool if config.tool_start is not None and config.tool_end is not None else None
+        p = next(model.parameters())
+        self.device = p.device
+        self.max_len = min(config.max_len or model.config.seq_len, getattr(model, "rope_len", 1 << 30))
+        self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype)
+        self.active: list[Request] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.steps = 0  # decode steps run (for tests and metrics)
+        self.stop_ids = set(config.stop_ids)
+
+    # ---- public API (any thread) ----
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> Request:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        room = self.max_len - len(prompt)
+        if room < 1:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens but the model's context is "
+                                f"{self.max_len} tokens (at least one must be left for the reply)")
+        req = Request(prompt, params, sink, min(params.max_tokens, room))
+        with self._cv:
+            if not self._running:
+                raise EngineStopped("the engine is not running")
+            if len(self.waiting) >= self.config.max_queue:
+                raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting)")
+            self.waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: a waiting one leaves the queue now, an active one frees its row before the
+        next decode step. No further events reach its sink except, possibly, Finished('cancelled')."""
+        req.cancel()
+        with self._cv:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                return
+        self._finish(req, "cancelled")
+
+    def start(self) -> "Engine":
+        with self._cv:
+            if self._running:
+                return self
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="sparkchat-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._running = False
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for req in list(self.waiting) + self.active:
+            self._finish(req, "cancelled")
+        self.waiting.clear()
+        self.active.clear()
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], Finished]:
+        """Blocking convenience: submit and wait. Returns (ids, Finished)."""
+        out: list[int] = []
+        done = threading.Event()
+        box: list[Finished] = []
+
+        def sink(ev):
+            if isinstance(ev, Token):
+                out.append(ev.id)
+            else:
+                box.append(ev)
+                done.set()
+
+        self.submit(prompt, params, sink)
+        done.wait()
+        return out, box[0]
+
+    # ---- scheduler (engine thread) ----
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while self._running and not self.waiting and not self.active:
+                        self._cv.wait()
+                    if not self._running:
+                        return
+                try:
+                    self._admit()
+                    self._evict()
+                    if self.active:
+                        self._decode()
+                        self._evict()
+                except Exception as e:  # never let one bad step kill the server
+                    for req in list(self.active):
+                        self._finish(req, "error", f"{type(e).__name__}: {e}")
+                    self.active.clear()
+
+    def _admit(self) -> None:
+        while len(self.active) < self.config.max_batch:
+            with self._cv:
+                if not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                continue
+            row = len(self.active)
+            self.cache.reset_row(row)
+            ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
+            logits = self.model(ids, kv_cache=self.cache.view(row, row + 1))[:, -1]
+            self.active.append(req)
+            self._advance([req], logits)
+
+    def _decode(self) -> None:
+        n = len(self.active)
+        ids = torch.tensor([[r.last] for r in self.active], dtype=torch.long, device=self.device)
+        logits = self.model(ids, kv_cache=self.cache.view(0, n))[:, -1]
+        self.steps += 1
+        self._advance(self.active, logits)
+
+    def _advance(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Pick each row's next id (forced, or sampled from its logits) and emit it."""
+        temp = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
+        u = torch.cat([torch.rand(1, generator=r.generator) for r in reqs]).to(logits.device)
+        sampled = sample(logits, temp, top_k, top_p, u).tolist()
+        for req, tok in zip(reqs, sampled):
+            if req.done:
+                continue
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                continue
+            forced = bool(req.forced)
+            if forced:
+                tok = req.forced.popleft()
+            elif tok in self.stop_ids:
+                self._finish(req, "stop")
+                continue
+            req.last = tok
+            req.generated += 1
+            if not self._emit(req, Token(tok, forced)):
+                continue
+            if not forced and self.tool is not None:
+                self._track_tool(req, tok)
+            if req.generated >= req.max_new:
+                self._finish(req, "length")
+
+    def _track_tool(self, req: Request, tok: int) -> None:
+        c = self.config
+        if tok == c.tool_start:
+            req.tool_buf = []
+        elif req.tool_buf is not None:
+            if tok == c.tool_end:
+                expr, req.tool_buf = req.tool_buf, None
+                try:
+                    req.forced.extend(int(t) for t in self.tool(expr))
+                except Exception:
+                    pass  # a failing tool feeds nothing; the model carries on
+            else:
+                req.tool_buf.append(tok)
+                if len(req.tool_buf) > c.max_tool_ids:
+                    req.tool_buf = None
+
+    def _emit(self, req: Request, ev) -> bool:
+        try:
+            req.sink(ev)
+            return True
+        except Exception:  # the consumer is gone: drop the request
+            req.cancelled = True
+            self._finish(req, "cancelled")
+            return False
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.done:
+            return
+        req.done = True
+        try:
+            req.sink(Finished(reason, len(req.prompt), req.generated, error))
+        except Exception:
+            pass
+
+    def _evict(self) -> None:
+        """Drop finished/cancelled rows, moving the last active row into each freed slot."""
+        i = 0
+        while i < len(self.active):
+            req = self.active[i]
+            if req.cancelled and not req.done:
+                self._finish(req, "cancelled")
+            if req.done:
+                last = len(self.active) - 1
+                if i != last:
+                    self.cache.copy_row(last, i)
+                    self.active[i] = self.active[last]
+                self.cache.reset_row(last)
+                self.active.pop()
+            else:
+                i += 1

@@ -1,0 +1,37 @@
+"""`sparkchat serve` / `python -m serve`: parse flags, build the app, run uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .api import Settings, create_app
+
+API_KEY_ENV = "SPARKCHAT_API_KEY"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparkchat serve", description="Serve a sparkchat model: OpenAI-compatible "
+                                "API under /v1 and a chat page at /.")
+    p.add_argument("--model", default="artifacts/model", help="model directory (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require this bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+    app = create_app(Settings(model_dir=args.model, device=args.device, api_key=args.api_key or None,
+                              max_batch=args.max_batch, max_queue=args.max_queue))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The FastAPI app: routes, lifespan and wiring. Logic lives in serving.py, bodies in schemas.py.
+
+    POST /v1/chat/completions   OpenAI chat completions, JSON or SSE (`stream: true`)
+    GET  /v1/models             the one served model
+    GET  /health                503 while the model loads (or failed to), then 200
+    GET  /metrics               Prometheus text format
+    /                           the Gradio chat page (ui.py), same engine, in-process
+
+The model loads in a background thread started by the lifespan, so the port answers (and /health says
+503) at once; state lives on `app.state`: `settings`, `metrics`, `runtime` (None until loaded).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import errors, serving
+from .errors import APIError
+from .guard import MAX_BODY_BYTES, V1Guard
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .runtime import Runtime
+from .schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, Model, ModelList
+
+log = logging.getLogger("sparkchat.serve")
+
+
+@dataclass
+class Settings:
+    model_dir: Path = Path("artifacts/model")
+    """A directory written by model.model_dir.save_model_dir (the pipeline's final stage)."""
+    device: str | None = None
+    """torch device; default cuda when available, else cpu."""
+    api_key: str | None = None
+    """If set, /v1 requires 'Authorization: Bearer <key>' (and the chat page asks for it)."""
+    max_batch: int = 16
+    """Sequences decoded together (KV-cache rows)."""
+    max_queue: int = 64
+    """Requests that may wait for a row; beyond that, 429."""
+    max_body: int = MAX_BODY_BYTES
+    model_id: str = "sparkchat"
+    ui: bool = True
+    """Mount the Gradio page at /."""
+
+    def __post_init__(self):
+        self.model_dir = Path(self.model_dir)
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threading.Thread:
+    def run():
+        try:
+            app.state.runtime = loader()
+        except Exception as e:  # /health reports it; the process stays up to say so
+            log.exception("loading the model failed")
+            app.state.load_error = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=run, name="sparkchat-load", daemon=True)
+    t.start()
+    return t
+
+
+def get_runtime(request: Request) -> Runtime:
+    runtime = request.app.state.runtime
+    if runtime is None:
+        error = request.app.state.load_error
+        raise APIError(503, f"The model failed to load: {error}" if error else "The model is still loading",
+                       code="model_not_loaded")
+    return runtime
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                        429: {"model": ErrorResponse}})
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    runtime = get_runtime(request)
+    prompt = serving.check(body, runtime)
+    if body.stream:
+        frames = serving.stream(body, runtime, prompt)
+        return StreamingResponse(frames, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await serving.complete(body, runtime, prompt, request)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request):
+    runtime = get_runtime(request)
+    return ModelList(data=[Model(id=runtime.model_id, created=request.app.state.started,
+                                 max_model_len=runtime.context_len)])
+
+
+@router.get("/v1/models/{model_id}", response_model=Model)
+async def get_model(model_id: str, request: Request):
+    runtime = get_runtime(request)
+    if model_id != runtime.model_id:
+        raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+    return Model(id=runtime.model_id, created=request.app.state.started, max_model_len=runtime.context_len)
+
+
+@router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+async def unknown_v1(path: str, request: Request):
+    raise APIError(404, f"Unknown URL /v1/{path}", code="unknown_url")
+
+
+@router.get("/health")
+async def health(request: Request):
+    if request.app.state.runtime is not None:
+        return {"status": "ok"}
+    error = request.app.state.load_error
+    return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None = None) -> FastAPI:
+    """The whole server. `loader(metrics) -> Runtime` replaces loading settings.model_dir (tests)."""
+    metrics = Metrics()
+
+    def load() -> Runtime:
+        if loader is not None:
+            return loader(metrics)
+        return Runtime.load(settings.model_dir, metrics, settings.device, settings.max_batch,
+                            settings.max_queue, settings.model_id)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        thread = _load_in_background(app, load)
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+            if app.state.runtime is not None:
+                app.state.runtime.close()
+
+    app = FastAPI(title="sparkchat", version="0.1.0", lifespan=lifespan)
+    app.state.settings, app.state.metrics = settings, metrics
+    app.state.runtime, app.state.load_error = None, None
+    app.state.started = int(time.time())
+    errors.install(app)
+    app.include_router(router)
+    app.add_middleware(V1Guard, api_key=settings.api_key, max_body=settings.max_body, metrics=metrics)
+    if settings.ui:
+        from .ui import mount_ui
+        mount_ui(app, settings)
+    return app

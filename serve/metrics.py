@@ -1,0 +1,27 @@
+"""Prometheus metrics of one server, on their own registry (so several apps can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("sparkchat_requests", "Chat completion HTTP requests, by status code",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter("sparkchat_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.completion_tokens = Counter("sparkchat_completion_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("sparkchat_time_to_first_token_seconds",
+                              "From a request's submission to its first generated token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.queue_depth = Gauge("sparkchat_queue_depth", "Requests waiting for a batch row", registry=r)
+        self.active = Gauge("sparkchat_active_sequences", "Sequences in the running batch", registry=r)
+        self.loaded = Gauge("sparkchat_model_loaded", "1 once the model is loaded", registry=r)
+
+    def watch_engine(self, engine) -> None:
+        self.queue_depth.set_function(lambda: engine.queue_depth)
+        self.active.set_function(lambda: engine.num_active)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,210 @@
+"""The loaded model as the server uses it: tokenizer + engine + defaults, and text streams over it.
+
+This is the one place where text meets token ids. `Runtime.open_stream` renders nothing itself: it takes
+prompt ids (rendered by model.chat, the training renderer), submits them to the engine and returns a
+`TextStream`, an async iterator of text pieces that are always whole UTF-8, cut at any stop string.
+Both the OpenAI routes and the Gradio page read generations through it, in-process.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model.calculator import try_calculate
+from model.chat import render
+from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
+from model.model_dir import load_model_dir
+from model.tokenizer import SparkTokenizer
+
+from .metrics import Metrics
+
+log = logging.getLogger("sparkchat.serve")
+
+# how tool tokens read in a reply: "... `12*7 = 84` ..."
+TOOL_DISPLAY = {"<|python_start|>": "`", "<|python_end|>": " = ", "<|output_start|>": "", "<|output_end|>": "`"}
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def calculator_tool(tok: SparkTokenizer):
+    """Engine tool callback: expression ids -> <|output_start|> result <|output_end|> ids."""
+    start, end = tok.special["<|output_start|>"], tok.special["<|output_end|>"]
+
+    def tool(expr_ids: list[int]) -> list[int]:
+        return [start, *tok.encode(try_calculate(tok.decode(expr_ids))), end]
+
+    return tool
+
+
+class StreamDecoder:
+    """Token ids -> text pieces that never split a UTF-8 character.
+
+    Ids are held while their bytes end mid-character; special ids are shown through TOOL_DISPLAY (or
+    dropped). Decoding restarts after each clean piece, so the cost per token stays constant.
+    """
+
+    def __init__(self, tok: SparkTokenizer):
+        self.tok = tok
+        self.special = {i: TOOL_DISPLAY.get(name, "") for name, i in tok.special.items()}
+        self.pending: list[int] = []
+
+    def push(self, i: int) -> str:
+        if i in self.special:
+            return self.flush() + self.special[i]
+        self.pending.append(i)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < 8:
+            return ""  # wait for the rest of the character
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
+class TextStream:
+    """One generation as async text. Iterate it; afterwards `finish_reason` ('stop' or 'length'),
+    `prompt_tokens` and `completion_tokens` are set. `cancel()` frees the engine row at once."""
+
+    def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str]):
+        self.runtime = runtime
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.decoder = StreamDecoder(runtime.tokenizer)
+        self.stop = [s for s in stop if s]
+        self.held = ""  # decoded text not yet released (could be the start of a stop string)
+        self.prompt_tokens = len(prompt)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_token_at: float | None = None
+        self.t0 = time.perf_counter()
+        self.request = runtime.engine.submit(prompt, params, self._sink)  # may raise QueueFull
+        runtime.metrics.prompt_tokens.inc(len(prompt))
+
+    def _sink(self, ev) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+    def cancel(self) -> None:
+        if self.finish_reason is None:
+            self.runtime.engine.cancel(self.request)
+
+    def _end(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.runtime.metrics.completion_tokens.inc(self.completion_tokens)
+
+    def _release(self, text: str, final: bool) -> str:
+        """Append decoded text; return what may be shown now (stop strings cut, ends held back)."""
+        buf = self.held + text
+        if not self.stop:
+            self.held = ""
+            return buf
+        cut = min((j for j in (buf.find(s) for s in self.stop) if j >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            self.cancel()
+            self._end("stop")
+            return buf[:cut]
+        keep = 0
+        if not final:  # hold the longest tail that could still become a stop string
+            for k in range(min(len(buf), max(map(len, self.stop)) - 1), 0, -1):
+                if any(s.startswith(buf[-k:]) for s in self.stop):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def __aiter__(self):
+        return self._pieces()
+
+    async def _pieces(self):
+        try:
+            while self.finish_reason is None:
+                events = [await self.queue.get()]
+                while not self.queue.empty():  # coalesce what arrived meanwhile into one piece
+                    events.append(self.queue.get_nowait())
+                out = []
+                for ev in events:
+                    if isinstance(ev, Token):
+                        if self.first_token_at is None:
+                            self.first_token_at = time.perf_counter()
+                            self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
+                        self.completion_tokens += 1
+                        out.append(self._release(self.decoder.push(ev.id), final=False))
+                    elif isinstance(ev, Finished):
+                        if ev.reason == "error":
+                            log.error("generation failed: %s", ev.error)
+                        out.append(self._release(self.decoder.flush(), final=True))
+                        self._end("stop" if ev.reason in ("stop", "cancelled") else ev.reason)
+                    if self.finish_reason is not None:
+                        break
+                piece = "".join(out)
+                if piece:
+                    yield piece
+        finally:
+            if self.finish_reason is None:  # the consumer went away (client disconnect, stop button)
+                self.cancel()
+                self._end("cancelled")
+
+
+@dataclass
+class Runtime:
+    model: torch.nn.Module
+    tokenizer: SparkTokenizer
+    engine: Engine
+    defaults: dict
+    metrics: Metrics
+    model_id: str = "sparkchat"
+
+    @classmethod
+    def load(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = 16,
+             max_queue: int = 64, model_id: str = "sparkchat") -> "Runtime":
+        dev = pick_device(device)
+        dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        t = time.perf_counter()
+        model, tok, gen = load_model_dir(model_dir, dev, dtype)
+        s = tok.special
+        tool_use = bool(gen.get("tool_use"))
+        cfg = EngineConfig(max_batch=max_batch, max_queue=max_queue,
+                           stop_ids=(s["<|assistant_end|>"], s["<|bos|>"]),
+                           tool_start=s["<|python_start|>"] if tool_use else None,
+                           tool_end=s["<|python_end|>"] if tool_use else None)
+        engine = Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None).start()
+        metrics.watch_engine(engine)
+        metrics.loaded.set(1)
+        log.info("loaded %s on %s (%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
+                 time.perf_counter() - t, model.num_params() / 1e6, engine.max_len)
+        return cls(model, tok, engine, gen, metrics, model_id)
+
+    @property
+    def context_len(self) -> int:
+        return self.engine.max_len
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """Prompt ids for `messages`, by the training renderer. Raises model.chat.ChatFormatError."""
+        ids, _ = render(self.tokenizer, messages, for_completion=True)
+        return ids
+
+    def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None) -> SamplingParams:
+        d = self.defaults
+        pick = lambda v, k: d[k] if v is None else v  # noqa: E731
+        return SamplingParams(temperature=float(pick(temperature, "temperature")),
+                              top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
+                              max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed)
+
+    def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None) -> TextStream:
+        """Submit now (raises QueueFull / PromptTooLong at once); iterate the result for text."""
+        return TextStream(self, prompt, params, stop or [])
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,182 @@
+"""Request and response bodies of the OpenAI chat completions API, as this server implements it.
+
+Field names, types and defaults follow OpenAI's API reference. Unknown fields are refused
+(`extra="forbid"`), and OpenAI parameters this server does not implement are declared in
+`UNSUPPORTED` with their no-op value: any other value is refused with a 400 that names the parameter.
+`top_k` is an extension (as in vLLM).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 8
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# parameter -> the value at which it does nothing (the only value accepted)
+UNSUPPORTED = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0,
+    "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
+    "function_call": "none", "response_format": {"type": "text"}, "user": None, "metadata": None,
+    "store": False, "service_tier": None, "reasoning_effort": None, "modalities": ["text"],
+    "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
+    "prompt_cache_key": None, "safety_identifier": None,
+}
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0, description="extension: sample from the k likeliest (0: all)")
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    logit_bias: Optional[dict] = None
+    tools: Optional[list] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list] = None
+    function_call: Union[str, dict, None] = None
+    response_format: Optional[dict] = None
+    user: Optional[str] = None
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    modalities: Optional[list] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    web_search_options: Optional[dict] = None
+    verbosity: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def unsupported(self) -> list[str]:
+        """Parameters set to something this server would have to ignore."""
+        return [k for k, noop in UNSUPPORTED.items()
+                if getattr(self, k) is not None and getattr(self, k) != noop]
+
+
+# ---- responses ----
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: Optional[str] = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: Optional[str] = None
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer
+    def _present_only(self):  # OpenAI sends {"role": ..., "content": ""}, {"content": ...}, then {}
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sparkchat"
+    max_model_len: Optional[int] = None  # extension, as in vLLM
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,56 @@
+"""Shared test fixtures. Several engineers add fixtures here: append, and keep names prefixed by owner."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# ---- serving fixtures: a tiny random chat model, trained and saved inside the test session ----
+
+SERVE_TEXTS = [
+    "Hello! How are you today? I am fine, thank you.",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 30? It is 42. Numbers: 1234567890.",
+    "Café, naïve, résumé; 你好世界; emoji 🙂 and 🚀 too.",
+    "A small model that chats, streams and batches requests on one CPU.",
+] * 4
+
+
+def serve_tiny_model(vocab_size: int, seed: int = 0, stop_ids=()):
+    """A 2-layer random GPT whose replies never end by themselves (the stop ids' head rows are zero,
+    the others large), so generation length is set by max_tokens alone and sampling is peaked."""
+    from model.gpt import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=vocab_size, n_layer=2, n_embd=64, n_head=2, n_kv_head=1, seq_len=128)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    model.init_weights(seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for block in model.blocks:  # non-zero residual outputs, so attention (and the cache) matter
+            block.attn.c_proj.weight.copy_(torch.randn(block.attn.c_proj.weight.shape, generator=g) * 0.05)
+            block.mlp.c_proj.weight.copy_(torch.randn(block.mlp.c_proj.weight.shape, generator=g) * 0.05)
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.5)
+        for i in stop_ids:
+            model.lm_head.weight[i].zero_()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def serve_tokenizer():
+    from model.tokenizer import SparkTokenizer
+    return SparkTokenizer.train(SERVE_TEXTS, vocab_size=320)
+
+
+@pytest.fixture(scope="session")
+def serve_model(serve_tokenizer):
+    s = serve_tokenizer.special
+    return serve_tiny_model(serve_tokenizer.vocab_size,
+                            stop_ids=(s["<|assistant_end|>"], s["<|bos|>"], s["<|python_start|>"]))
+
+
+@pytest.fixture(scope="session")
+def serve_model_dir(tmp_path_factory, serve_model, serve_tokenizer):
+    from model.model_dir import save_model_dir
+    path = tmp_path_factory.mktemp("serve_model")
+    save_model_dir(path, serve_model, serve_tokenizer,
+                   {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "max_tokens": 16, "tool_use": True})
+    return path
