@@ -86,3 +86,14 @@ def try_calculate(expr: str) -> str:
         return calculate(expr)
     except CalculatorError:
         return "error"
+
+
+def calculator_tool(tok):
+    """The engine's tool callback for a tokenizer `tok`: expression ids -> ids to force-feed,
+    <|output_start|> result <|output_end|>, exactly as the training data renders a tool output."""
+    start, end = tok.special["<|output_start|>"], tok.special["<|output_end|>"]
+
+    def tool(expr_ids: list[int]) -> list[int]:
+        return [start, *tok.encode(try_calculate(tok.decode(expr_ids))), end]
+
+    return tool

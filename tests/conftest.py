@@ -54,3 +54,56 @@ def serve_model_dir(tmp_path_factory, serve_model, serve_tokenizer):
     save_model_dir(path, serve_model, serve_tokenizer,
                    {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "max_tokens": 16, "tool_use": True})
     return path
+
+
+class _ServeThread:
+    """A real uvicorn server for an app, in a thread, on a free loopback port."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+
+    def wait_healthy(self, timeout: float = 60.0) -> "_ServeThread":
+        import time
+
+        import httpx
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server at {self.url} did not become healthy")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve_start():
+    """start(app, wait=True) -> a running server (.url, .app); all are stopped at the session's end."""
+    servers = []
+
+    def start(app, wait: bool = True):
+        s = _ServeThread(app)
+        servers.append(s)
+        return s.wait_healthy() if wait else s
+
+    yield start
+    for s in servers:
+        s.stop()

@@ -121,7 +121,7 @@ def swap_modules(model: nn.Module, make_linear, make_mlp=None, layer_filter=None
     n = 0
     if make_mlp is not None:
         for name, mod in list(model.named_modules()):
-            if name.endswith(".mlp") and hasattr(mod, "c_fc") and hasattr(mod, "c_proj") \
+            if (name == "mlp" or name.endswith(".mlp")) and hasattr(mod, "c_fc") and hasattr(mod, "c_proj") \
                     and layer_filter(f"{name}.c_fc", mod.c_fc) and layer_filter(f"{name}.c_proj", mod.c_proj):
                 parent_name, _, child = name.rpartition(".")
                 parent = model.get_submodule(parent_name)

@@ -1,0 +1,360 @@
+"""params.yaml -> typed, validated dataclasses. One source of configuration for every stage.
+
+`load_params()` reads params.yaml, overlays `profiles/<profile>.yaml` when `profile` is set, and
+checks every key before any work starts: an unknown key, a wrong type or an impossible value raises
+`ConfigError` naming the key (e.g. `pretrain.matrix_lr`). One dial, `model.depth`, sets the model's
+width and heads (and through them the learning-rate scaling and the pretraining token budget).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PRECISION_NAMES = ("bf16", "fp8", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated", "auto")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelParams:
+    depth: int = 4
+    """The one dial: number of transformer blocks. Width = depth * aspect_ratio."""
+    aspect_ratio: int = 64
+    """Width per layer of depth (nanochat uses 64)."""
+    head_dim: int = 64
+    """Channels per attention head (128 on GPU)."""
+    kv_head_ratio: int = 1
+    """Query heads per key/value head (grouped-query attention); 1 = plain multi-head."""
+    seq_len: int = 256
+    """Training context length in tokens."""
+
+    @property
+    def n_embd(self) -> int:
+        return self.depth * self.aspect_ratio
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_dim
+
+    def check(self, key: str) -> None:
+        _positive(self, key, "depth", "aspect_ratio", "head_dim", "kv_head_ratio", "seq_len")
+        if self.n_embd % self.head_dim:
+            raise ConfigError(f"{key}.head_dim={self.head_dim} does not divide the width "
+                              f"depth*aspect_ratio={self.n_embd}")
+        if self.n_head % self.kv_head_ratio:
+            raise ConfigError(f"{key}.kv_head_ratio={self.kv_head_ratio} does not divide the "
+                              f"{self.n_head} attention heads")
+        if self.head_dim % 2:
+            raise ConfigError(f"{key}.head_dim must be even (RoPE)")
+
+
+@dataclass
+class DataParams:
+    pretrain_sources: list[str] = field(default_factory=lambda: ["builtin:shakespeare"])
+    """Text sources: 'builtin:shakespeare', a local .txt/.jsonl/.parquet path, or 'hub:<id>[:<config>]'."""
+    chat_sources: list[str] = field(default_factory=lambda: ["builtin:synthetic", "builtin:chatterbot"])
+    """Conversation sources ('messages' in OpenAI format): builtin:synthetic, builtin:chatterbot,
+    a local .jsonl/.parquet path, or 'hub:<id>[:<config>]' (e.g. hub:HuggingFaceTB/smol-smoltalk)."""
+    text_field: str = "text"
+    """Column holding the text in local/hub text sources."""
+    hub_split: str = "train"
+    max_docs_per_source: int = 0
+    """Cap on documents/conversations read from each source (0 = all; hub sources need a cap)."""
+    val_fraction: float = 0.05
+    synthetic_train: int = 24000
+    """Generated training conversations (arithmetic, spelling, facts, identity, multiple choice)."""
+    synthetic_eval: int = 200
+    """Held-out generated items per eval task (never in training data)."""
+    seed: int = 1337
+
+    def check(self, key: str) -> None:
+        if not self.pretrain_sources:
+            raise ConfigError(f"{key}.pretrain_sources must name at least one source")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ConfigError(f"{key}.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        for name in ("max_docs_per_source", "synthetic_train", "synthetic_eval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name} must be >= 0")
+        for src in self.pretrain_sources + self.chat_sources:
+            if src.startswith("hub:") and self.max_docs_per_source == 0:
+                raise ConfigError(f"{key}.max_docs_per_source must be > 0 when streaming hub source '{src}'")
+
+
+@dataclass
+class TokenizerParams:
+    vocab_size: int = 4096
+    train_chars: int = 3_000_000
+    """Characters of training text the BPE is trained on."""
+
+    def check(self, key: str) -> None:
+        if self.vocab_size < 300:
+            raise ConfigError(f"{key}.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
+        _positive(self, key, "train_chars")
+
+
+@dataclass
+class PrecisionParams:
+    backend: str = "bf16"
+    """bf16 | fp8 | te-fp8 | te-nvfp4 | fp8-emulated | nvfp4-emulated | auto. Stages may override."""
+    te_recipe: str = "current"
+    """Transformer Engine FP8 recipe: delayed | current | block | mxfp8."""
+    nvfp4_random_hadamard: bool = True
+    """NVFP4: random Hadamard transform on the wgrad GEMM inputs (TE's training recommendation)."""
+    nvfp4_stochastic_rounding: bool = True
+    """NVFP4: stochastic rounding of gradients."""
+    nvfp4_keep_last_layers_bf16: int = 0
+    """NVFP4: number of final transformer blocks kept in BF16."""
+    dim_multiple: int = 16
+    """Only Linear layers whose dims are multiples of this convert (FP8/FP4 GEMM requirement)."""
+    skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Layer names (substrings) that stay in high precision."""
+
+    def check(self, key: str) -> None:
+        _choice(self.backend, PRECISION_NAMES, f"{key}.backend")
+        _choice(self.te_recipe, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipe")
+        _positive(self, key, "dim_multiple")
+
+
+@dataclass
+class TrainParams:
+    """Settings of one training stage (pretrain, midtrain and sft each have their own block)."""
+    backend: str = ""
+    """Precision backend for this stage; empty = precision.backend."""
+    total_batch_tokens: int = 8192
+    """Tokens per optimizer step across all ranks (gradient accumulation fills the gap)."""
+    device_batch: int = 16
+    """Sequences per micro-step on one device."""
+    steps: int = 0
+    """Optimizer steps; 0 = derive (pretrain: param_data_ratio x params tokens; others: epochs)."""
+    param_data_ratio: float = 20.0
+    """Pretrain token budget as tokens per parameter when steps = 0 (Chinchilla ~20)."""
+    epochs: float = 1.0
+    """Midtrain/SFT passes over their data when steps = 0."""
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.2
+    head_lr: float = 0.004
+    weight_decay: float = 0.0
+    use_muon: bool = True
+    warmup_frac: float = 0.0
+    warmdown_frac: float = 0.4
+    final_lr_frac: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_tokens: int = 65536
+    checkpoint_every: int = 50
+    log_every: int = 10
+    seed: int = 42
+
+    def check(self, key: str) -> None:
+        if self.backend:
+            _choice(self.backend, PRECISION_NAMES, f"{key}.backend")
+        _positive(self, key, "total_batch_tokens", "device_batch", "param_data_ratio", "epochs",
+                  "eval_every", "eval_tokens", "checkpoint_every", "log_every")
+        for name in ("matrix_lr", "embedding_lr", "head_lr"):
+            if not 0.0 < getattr(self, name) < 10.0:
+                raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
+        for name in ("warmup_frac", "warmdown_frac", "final_lr_frac"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{key}.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.warmup_frac + self.warmdown_frac > 1.0:
+            raise ConfigError(f"{key}.warmup_frac + {key}.warmdown_frac must be <= 1")
+        if self.steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError(f"{key}.steps, grad_clip and weight_decay must be >= 0")
+
+
+def _default_mid() -> TrainParams:
+    return TrainParams(epochs=1.0, warmdown_frac=0.5, matrix_lr=0.01, embedding_lr=0.1, head_lr=0.002)
+
+
+def _default_sft() -> TrainParams:
+    return TrainParams(epochs=1.0, warmdown_frac=1.0, matrix_lr=0.005, embedding_lr=0.05, head_lr=0.001)
+
+
+@dataclass
+class EvaluateParams:
+    max_items: int = 200
+    """Items per eval task (held-out)."""
+    max_new_tokens: int = 48
+    extra: list[str] = field(default_factory=list)
+    """Extra evals through `datasets`: 'mmlu:<source>', 'arc:<source>', 'gsm8k:<source>' where the
+    source is a local .jsonl/.parquet file or 'hub:<id>[:<config>]'."""
+
+    def check(self, key: str) -> None:
+        _positive(self, key, "max_items", "max_new_tokens")
+        for e in self.extra:
+            kind = e.split(":", 1)[0]
+            if kind not in ("mmlu", "arc", "gsm8k") or ":" not in e:
+                raise ConfigError(f"{key}.extra entry '{e}' must look like mmlu:<source>, arc:<source> "
+                                  f"or gsm8k:<source>")
+
+
+@dataclass
+class RuntimeParams:
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N"""
+    compile: str = "auto"
+    """auto (compile on CUDA) | on | off"""
+    threads: int = 0
+    """CPU threads for torch (0 = torch's default)."""
+    nproc: int = 1
+    """Processes (GPUs) per training stage; > 1 launches torchrun (DDP) from the stage itself."""
+
+    def check(self, key: str) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"{key}.device must be auto, cpu, cuda or cuda:N, got '{self.device}'")
+        _choice(self.compile, ("auto", "on", "off"), f"{key}.compile")
+        _positive(self, key, "nproc")
+
+
+@dataclass
+class ProbeParams:
+    steps: int = 20
+    depth: int = 2
+    seq_len: int = 128
+    device_batch: int = 4
+    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "te-fp8", "te-nvfp4",
+                                                         "fp8-emulated", "nvfp4-emulated"])
+    te_recipes: list[str] = field(default_factory=lambda: ["delayed", "current", "block", "mxfp8"])
+    seed: int = 0
+
+    def check(self, key: str) -> None:
+        _positive(self, key, "steps", "depth", "seq_len", "device_batch")
+        for b in self.backends:
+            _choice(b, PRECISION_NAMES, f"{key}.backends")
+
+
+@dataclass
+class Params:
+    profile: str = ""
+    """Name of a file in profiles/ whose values override this file ('' = none)."""
+    model: ModelParams = field(default_factory=ModelParams)
+    data: DataParams = field(default_factory=DataParams)
+    tokenizer: TokenizerParams = field(default_factory=TokenizerParams)
+    precision: PrecisionParams = field(default_factory=PrecisionParams)
+    runtime: RuntimeParams = field(default_factory=RuntimeParams)
+    pretrain: TrainParams = field(default_factory=TrainParams)
+    midtrain: TrainParams = field(default_factory=_default_mid)
+    sft: TrainParams = field(default_factory=_default_sft)
+    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    probe: ProbeParams = field(default_factory=ProbeParams)
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if hasattr(v, "check"):
+                v.check(f.name)
+
+    def backend_for(self, stage: str) -> str:
+        return getattr(self, stage).backend or self.precision.backend
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def _positive(obj, key, *names):
+    for n in names:
+        if getattr(obj, n) <= 0:
+            raise ConfigError(f"{key}.{n} must be > 0, got {getattr(obj, n)}")
+
+
+def _choice(value, choices, key):
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got '{value}'")
+
+
+def _coerce(value, tp, key):
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} ({value!r})")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(tp)
+
+
+def _build(cls, data, key, base=None):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key or 'params'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{key}." if key else ""
+        raise ConfigError(f"unknown key '{where}{unknown[0]}' (known keys: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        sub = f"{key}.{f.name}" if key else f.name
+        current = getattr(base, f.name) if base is not None else None
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], data.get(f.name), sub, current)
+        elif f.name in data:
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], sub)
+        elif base is not None:
+            kwargs[f.name] = current
+    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections")
+    return data
+
+
+def params_from_dict(data: dict, profiles_dir: Path | None = None) -> Params:
+    params = _build(Params, data, "")
+    if params.profile:
+        pdir = profiles_dir or ROOT / "profiles"
+        path = pdir / f"{params.profile}.yaml"
+        if not path.is_file():
+            names = sorted(p.stem for p in pdir.glob("*.yaml"))
+            raise ConfigError(f"profile '{params.profile}' not found: no {path} (profiles: {', '.join(names)})")
+        overlay = _read_yaml(path)
+        if "profile" in overlay:
+            raise ConfigError(f"{path}: a profile cannot set 'profile'")
+        params = _build(Params, overlay, "", base=params)
+    params.check()
+    return params
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} not found (run from the project root)")
+    return params_from_dict(_read_yaml(path), path.resolve().parent / "profiles")
+
+
+def n_kv_head(m: ModelParams) -> int:
+    return m.n_head // m.kv_head_ratio
+
+
+def steps_for_tokens(tokens: float, total_batch_tokens: int) -> int:
+    return max(1, math.ceil(tokens / total_batch_tokens))

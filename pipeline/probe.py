@@ -1,0 +1,265 @@
+"""`sparkchat probe`: which precision backends run on this machine, and what each one buys.
+
+For every backend (and every TE recipe) it first records "available" or the exact reason it is not,
+then trains the same model from the same seed on the same data for N steps under each one that runs:
+final loss and its difference from bf16, tokens/s and speedup over bf16, peak memory, MFU. Writes
+probe.json (DVC metrics; `auto` reads it) and probe.md (a Markdown table).
+
+Data: a token file (uint16/int32 .bin or .npy of token ids, `--tokens`) or, by default, a synthetic
+first-order Markov source (each token has 8 successors with Zipf probabilities; entropy about 1.7
+nats), which the model can learn within a few hundred steps, so losses are comparable (uniform random
+tokens would pin every backend at ln(vocab)).
+Timing: median step time (forward + backward + optimizer) over the steps after warm-up (compile).
+MFU: `model.flops_per_token()` (counted from the shape, so the same for every backend) x tokens/s /
+peak (989 TFLOP/s dense bf16 on H100/H200 SXM by default).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from model.gpt import GPT, GPTConfig
+from model.optim import build_optimizer
+from model.precision import BACKENDS, LayerFilter, get_backend
+from model.precision.base import describe_device
+
+DEFAULT_BACKENDS = ["bf16", "fp8", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"]
+DEFAULT_TE_RECIPES = ["delayed", "current", "block", "mxfp8"]
+
+
+def model_config(depth: int, seq_len: int, vocab: int, head_dim: int = 128) -> GPTConfig:
+    """nanochat's one dial: width 64 x depth, heads of `head_dim`, n_kv_head = n_head (full MHA)."""
+    width = 64 * depth
+    n_head = max(1, width // head_dim)
+    return GPTConfig(vocab_size=vocab, n_layer=depth, n_embd=width, n_head=n_head, n_kv_head=n_head,
+                     seq_len=seq_len)
+
+
+def markov_tokens(n_rows: int, length: int, vocab: int, seed: int, device, fanout: int = 8) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, fanout), generator=g).to(device)
+    p = 1.0 / torch.arange(1, fanout + 1, dtype=torch.float32)
+    slots = torch.multinomial(p / p.sum(), n_rows * length, replacement=True, generator=g).view(n_rows, length)
+    slots = slots.to(device)
+    out = torch.empty(n_rows, length, dtype=torch.long, device=device)
+    out[:, 0] = torch.randint(0, vocab, (n_rows,), generator=g).to(device)
+    for t in range(1, length):
+        out[:, t] = succ[out[:, t - 1], slots[:, t]]
+    return out
+
+
+def file_tokens(path: str, n_rows: int, length: int, vocab: int, device) -> torch.Tensor:
+    import numpy as np
+    p = Path(path)
+    arr = np.load(p) if p.suffix == ".npy" else np.memmap(p, dtype=np.uint16, mode="r")
+    need = n_rows * length
+    if arr.size < need:
+        reps = math.ceil(need / arr.size)
+        arr = np.tile(np.asarray(arr), reps)
+    t = torch.from_numpy(np.asarray(arr[:need]).astype("int64")).view(n_rows, length)
+    if int(t.max()) >= vocab:
+        raise ValueError(f"{path} holds token ids up to {int(t.max())}, above the probe vocab {vocab}")
+    return t.to(device)
+
+
+def expand_entries(backends, te_recipes) -> list[tuple[str, dict]]:
+    out = []
+    for b in backends:
+        name, _, opt = b.partition(":")
+        if name not in BACKENDS or name == "auto":
+            raise ValueError(f"probe: unknown backend {name!r}; choose from {[n for n in BACKENDS if n != 'auto']}")
+        if name == "te-fp8" and not opt:
+            out += [(name, {"recipe": r}) for r in te_recipes]
+        elif opt:  # "te-fp8:current" or "te-fp8:current,modules=linear"
+            parts = opt.split(",")
+            opts = {"recipe": parts[0]} if "=" not in parts[0] else {}
+            for kv in parts[1 if opts else 0:]:
+                k, _, v = kv.partition("=")
+                opts[k] = {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v)
+            out.append((name, opts))
+        else:
+            out.append((name, {}))
+    return out
+
+
+def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_filter, lrs, log):
+    backend = get_backend(name, opts, layer_filter)
+    backend.check(device)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(cfg)
+    model.init_weights(seed=seed)
+    model = backend.convert(model)
+    opt = build_optimizer(model, *lrs)
+    describe = backend.describe(device)
+    log("  " + describe)
+    run = torch.compile(model) if (compile_ and device.type == "cuda" and backend.supports_compile) else model
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, times = [], []
+    n_rows = data.shape[0]
+    for step in range(steps):
+        i = (step * batch) % n_rows
+        chunk = data[i:i + batch]
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        t0 = time.perf_counter()
+        with backend.autocast(device):
+            loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lv = loss.item()  # syncs
+        times.append(time.perf_counter() - t0)
+        losses.append(lv)
+        if step in (0, steps - 1) or (step + 1) % max(1, steps // 5) == 0:
+            log(f"    step {step + 1}/{steps} loss {lv:.4f} {times[-1] * 1e3:.0f} ms")
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"loss became {lv} at step {step + 1}")
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    warm = min(max(3, steps // 10), steps - 1)
+    timed = times[warm:]
+    med = statistics.median(timed)
+    tail = losses[-min(10, len(losses)):]
+    res = dict(label=backend.label, describe=describe, emulated=bool(backend.emulated),
+               converted=backend.converted, compiled=run is not model,
+               final_loss=sum(tail) / len(tail), last_loss=losses[-1], first_loss=losses[0],
+               step_ms=med * 1e3, compile_s=sum(times[:warm]) - med * warm,
+               tokens_per_s=batch * cfg.seq_len / med, peak_mem_gib=peak, losses=losses)
+    del run, model, opt
+    return res
+
+
+def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int = 32, seed: int = 0,
+              vocab: int = 65536, backends: list[str] | None = None, te_recipes: list[str] | None = None,
+              tokens: str | None = None, device: str | None = None, compile: bool = True,
+              peak_tflops: float = 989.0, dim_multiple: int = 16, skip: list[str] | None = None,
+              lrs: tuple = (0.02, 0.2, 0.004), out_dir: str | None = None, log=print) -> dict:
+    """Probe every backend; returns the probe.json dict (and writes probe.json/probe.md to out_dir)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = model_config(depth, seq_len, vocab)
+    entries = expand_entries(backends or DEFAULT_BACKENDS, te_recipes or DEFAULT_TE_RECIPES)
+    layer_filter = LayerFilter(dim_multiple, list(skip) if skip is not None else ["lm_head"])
+    log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
+        f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}")
+    n_rows = batch * min(steps, 64)
+    data = file_tokens(tokens, n_rows, seq_len + 1, vocab, dev) if tokens else \
+        markov_tokens(n_rows, seq_len + 1, vocab, seed, dev)
+    flops = GPT.flops_per_token(type("M", (), {"config": cfg})())
+    results = []
+    for name, opts in entries:
+        be = get_backend(name, opts, layer_filter)
+        row = dict(backend=name, options=opts, label=be.label, emulated=bool(be.emulated))
+        reason = be.unavailable_reason(dev)
+        row["available"] = reason is None
+        row["reason"] = reason
+        row["ran"] = False
+        log(f"- {be.label}: {'available' if reason is None else 'NOT available: ' + reason}")
+        if reason is None:
+            try:
+                row.update(_train(name, opts, cfg, data, steps, batch, seed, dev, compile, layer_filter, lrs, log))
+                row["ran"] = True
+                row["mfu"] = flops * row["tokens_per_s"] / (peak_tflops * 1e12) if dev.type == "cuda" else None
+            except Exception as e:  # record, keep probing the others
+                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                log(f"  FAILED: {row['error']}")
+            finally:
+                gc.collect()
+                if dev.type == "cuda":
+                    torch._dynamo.reset()
+                    torch.cuda.empty_cache()
+        results.append(row)
+        if out_dir:  # partial results survive a run cut short
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "probe.partial.json").write_text(json.dumps(results, indent=1) + "\n")
+    base = next((r for r in results if r["backend"] == "bf16" and r["ran"]), None)
+    for r in results:
+        if r["ran"] and base:
+            r["loss_diff_pct"] = 100.0 * (r["final_loss"] - base["final_loss"]) / base["final_loss"]
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    out = dict(device=describe_device(dev), torch=torch.__version__, te=_te_version(),
+               config=dict(depth=depth, width=cfg.n_embd, n_head=cfg.n_head, seq_len=seq_len, batch=batch,
+                           tokens_per_step=batch * seq_len, steps=steps, seed=seed, vocab=vocab,
+                           data=tokens or "markov-synthetic", flops_per_token=flops, peak_tflops=peak_tflops,
+                           params=cfg.n_layer * 12 * cfg.n_embd ** 2 + 2 * vocab * cfg.n_embd),
+               results=results)
+    if out_dir:
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "probe.json").write_text(json.dumps(out, indent=1) + "\n")
+        (d / "probe.md").write_text(to_markdown(out))
+    return out
+
+
+def _te_version():
+    try:
+        import transformer_engine
+        return transformer_engine.__version__
+    except Exception:
+        return None
+
+
+def _f(v, fmt):
+    return "" if v is None else format(v, fmt)
+
+
+def to_markdown(out: dict) -> str:
+    c = out["config"]
+    lines = [f"# Precision probe: {out['device']}", "",
+             f"torch {out['torch']}, Transformer Engine {out['te'] or 'not installed'}; depth {c['depth']} "
+             f"(width {c['width']}), seq {c['seq_len']}, {c['tokens_per_step']} tokens/step, {c['steps']} steps, "
+             f"data {c['data']}, MFU at {c['peak_tflops']:.0f} TFLOP/s from {c['flops_per_token'] / 1e9:.2f} GFLOP/token.",
+             "", "| backend | runs here | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | step ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in out["results"]:
+        label = r["label"] + (" (EMULATED)" if r["emulated"] else "")
+        if not r["available"]:
+            lines.append(f"| {label} | no: {r['reason']} | | | | | | | |")
+        elif not r["ran"]:
+            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | |")
+        else:
+            lines.append(f"| {label} | yes | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f')}% | "
+                         f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f')}x | {_f(r.get('mfu') and 100 * r['mfu'], '.1f')}{'%' if r.get('mfu') else ''} | "
+                         f"{_f(r['peak_mem_gib'], '.1f')} | {r['step_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="sparkchat probe", description=__doc__.splitlines()[0])
+    p.add_argument("--params", help="params.yaml: reads its `probe:` section (CLI flags override)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--depth", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--backends", nargs="+", help="names, or name:recipe[,key=value] e.g. te-fp8:current,modules=linear")
+    p.add_argument("--te-recipes", nargs="+")
+    p.add_argument("--tokens", help="token file instead of synthetic data")
+    p.add_argument("--device")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", default=".", help="folder for probe.json and probe.md")
+    a = p.parse_args(argv)
+    kw = {}
+    if a.params:
+        import yaml
+        kw.update((yaml.safe_load(Path(a.params).read_text()) or {}).get("probe") or {})
+    for k in ("steps", "depth", "seq_len", "batch", "seed", "vocab", "backends", "te_recipes", "tokens", "device"):
+        v = getattr(a, k)
+        if v is not None:
+            kw[k] = v
+    if a.no_compile:
+        kw["compile"] = False
+    out = run_probe(out_dir=a.out, **kw)
+    print(to_markdown(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Stage `tokenizer`: train the byte-level BPE on pretraining + chat text, add the chat special tokens,
+save artifacts/tokenizer/tokenizer.json and report compression (bytes per token) on validation text."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow.parquet as pq
+
+from model.chat import content_text
+from model.tokenizer import SparkTokenizer
+
+from .config import Params, load_params
+from .metrics import write_json
+
+DATA = Path("artifacts/data")
+OUT = Path("artifacts/tokenizer")
+
+
+def training_text(data: Path, max_chars: int) -> Iterator[str]:
+    """Pretraining text first, then chat turns, until max_chars (chat is ~10% of the budget)."""
+    budget_text, budget_chat = int(max_chars * 0.9), max_chars - int(max_chars * 0.9)
+    for t in pq.read_table(data / "pretrain_train.parquet", columns=["text"]).column("text").to_pylist():
+        if budget_text <= 0:
+            break
+        yield t[:budget_text]
+        budget_text -= len(t)
+    for m in pq.read_table(data / "mid_train.parquet", columns=["messages"]).column("messages").to_pylist():
+        if budget_chat <= 0:
+            break
+        for turn in json.loads(m):
+            text = content_text(turn["content"]) if turn["content"] else ""
+            budget_chat -= len(text)
+            yield text
+
+
+def bytes_per_token(tok: SparkTokenizer, texts: list[str]) -> float:
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    n_tokens = sum(len(ids) for ids in tok.encode_batch(texts))
+    return n_bytes / max(1, n_tokens)
+
+
+def train_tokenizer(p: Params, data: Path = DATA, out: Path = OUT) -> dict:
+    tok = SparkTokenizer.train(training_text(data, p.tokenizer.train_chars), p.tokenizer.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(out / "tokenizer.json")
+    val = pq.read_table(data / "pretrain_val.parquet", columns=["text"]).column("text").to_pylist()
+    report = {"vocab_size": tok.vocab_size, "val_bytes_per_token": round(bytes_per_token(tok, val), 4)}
+    write_json(out / "report.json", report)
+    return report
+
+
+def main(argv=None) -> None:
+    report = train_tokenizer(load_params())
+    print(f"tokenizer: vocab {report['vocab_size']}, {report['val_bytes_per_token']} bytes/token on val text",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

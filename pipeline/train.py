@@ -1,0 +1,289 @@
+"""The one training loop behind pretrain, midtrain and SFT.
+
+`train(stage, params)`:
+  1. picks the device and the precision backend, and checks the backend can run here (before any data
+     is read or anything written: a refusal costs nothing);
+  2. builds the model (pretrain: from the depth dial; later stages: from the previous stage's model
+     directory), applies the backend (the one place low precision enters), builds Muon+AdamW, compiles
+     on CUDA, wraps in DDP when launched by torchrun;
+  3. resumes from the stage's checkpoint if one matches this configuration;
+  4. trains with gradient accumulation to `total_batch_tokens`, a warmup/constant/warmdown schedule,
+     a progress bar (tokens/s, ETA), periodic val bits-per-byte and atomic checkpoints;
+  5. writes the model directory (full-precision safetensors), metrics JSON and a TSV plot.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from model.gpt import GPT, GPTConfig
+from model.model_dir import load_model_dir, save_model_dir
+from model.optim import build_optimizer
+from model.precision import LayerFilter, get_backend
+from model.tokenizer import SparkTokenizer
+
+from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
+from .config import Params, TrainParams, n_kv_head, steps_for_tokens
+from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
+from .metrics import TSVLog, write_json
+
+DATA = Path("artifacts/data")
+TOKENIZER = Path("artifacts/tokenizer/tokenizer.json")
+STAGES = {
+    # stage: (initial model dir or None, train data, val data, output model dir)
+    "pretrain": (None, "pretrain_train.parquet", "pretrain_val.parquet", Path("artifacts/pretrain/model")),
+    "midtrain": (Path("artifacts/pretrain/model"), "mid_train.parquet", "chat_val.parquet", Path("artifacts/midtrain/model")),
+    "sft": (Path("artifacts/midtrain/model"), "sft_train.parquet", "chat_val.parquet", Path("artifacts/model")),
+}
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
+
+
+def log(msg: str) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"runtime.device={name} but torch sees no CUDA GPU (torch {torch.__version__}); "
+                         f"set runtime.device=cpu or auto")
+    return torch.device(name)
+
+
+def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return 0, 1, device
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
+    warmup, warmdown = round(t.warmup_frac * total), round(t.warmdown_frac * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step >= total - warmdown:
+        progress = (total - step) / max(1, warmdown)
+        return t.final_lr_frac + (1 - t.final_lr_frac) * progress
+    return 1.0
+
+
+def token_bytes(tok: SparkTokenizer, device) -> torch.Tensor:
+    """UTF-8 bytes each token stands for (0 for special tokens): the denominator of bits per byte."""
+    special = set(tok.special.values())
+    out = torch.zeros(tok.vocab_size, dtype=torch.float32)
+    for i in range(tok.vocab_size):
+        if i not in special:
+            out[i] = len(tok.id_to_token(i) or "")  # byte-level alphabet: one char per byte
+    return out.to(device)
+
+
+@torch.no_grad()
+def evaluate_bpb(model, batches, n_batches: int, tbytes: torch.Tensor, device, autocast) -> float:
+    """Bits per byte: tokenizer-independent, so runs with different vocabularies compare."""
+    nats, nbytes = torch.zeros((), device=device), torch.zeros((), device=device)
+    for _ in range(n_batches):
+        x, y = batches.next()
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            loss = model(x, y, reduction="none")
+        valid = y.view(-1) >= 0
+        b = torch.where(valid, tbytes[y.view(-1).clamp(min=0)], torch.zeros_like(loss))
+        nats += (loss * (b > 0)).sum()
+        nbytes += b.sum()
+    if dist.is_initialized():
+        dist.all_reduce(nats)
+        dist.all_reduce(nbytes)
+    return float(nats / (math.log(2) * nbytes.clamp(min=1)))
+
+
+def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
+    init_dir = STAGES[stage][0]
+    if init_dir is None:
+        m = p.model
+        config = GPTConfig(vocab_size=tok.vocab_size, n_layer=m.depth, n_embd=m.n_embd, n_head=m.n_head,
+                           n_kv_head=n_kv_head(m), seq_len=m.seq_len)
+        with torch.device(device):
+            model = GPT(config)
+        model.init_weights(seed=getattr(p, stage).seed)
+        return model
+    model, _, _ = load_model_dir(init_dir, device=device)
+    model.train()
+    return model
+
+
+def make_batches(stage: str, split_file: str, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
+    path = DATA / split_file
+    if split_file.startswith("pretrain"):
+        return TokenStream(tokenize_texts(tok, read_texts(path)), t.device_batch, seq_len, rank, world)
+    convs = read_conversations(path)
+    if stage == "midtrain":
+        return TokenStream(tokenize_conversations(tok, convs), t.device_batch, seq_len, rank, world)
+    return ChatBatches(tok, convs, t.device_batch, seq_len, pad_fixed, seed=t.seed, rank=rank, world=world)
+
+
+def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int) -> int:
+    if t.steps:
+        return t.steps
+    if stage == "pretrain":
+        matmul_params = model.num_params() - model.wte.weight.numel()
+        return steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
+    return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
+
+
+def train(stage: str, p: Params) -> dict:
+    t: TrainParams = getattr(p, stage)
+    init_dir, train_file, val_file, out_dir = STAGES[stage]
+    device = resolve_device(p.runtime.device)
+    pr = p.precision
+    backend = get_backend(p.backend_for(stage),
+                          {"te_recipe": pr.te_recipe, "nvfp4_random_hadamard": pr.nvfp4_random_hadamard,
+                           "nvfp4_stochastic_rounding": pr.nvfp4_stochastic_rounding,
+                           "nvfp4_keep_last_layers_bf16": pr.nvfp4_keep_last_layers_bf16},
+                          LayerFilter(pr.dim_multiple, list(pr.skip)))
+    backend.check(device)  # fail before any work
+    rank, world, device = setup_distributed(device)
+    if p.runtime.threads:
+        torch.set_num_threads(p.runtime.threads)
+    torch.manual_seed(t.seed + rank)
+
+    tok = SparkTokenizer.load(TOKENIZER)
+    model = build_model(stage, p, tok, device)
+    seq_len = model.config.seq_len
+    model = backend.convert(model)
+    log(backend.describe(device))
+    use_compile = device.type == "cuda" and backend.supports_compile and p.runtime.compile != "off" \
+        or p.runtime.compile == "on"
+    train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world)
+    val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world)
+    tokens_per_micro = t.device_batch * seq_len * world
+    grad_accum = max(1, t.total_batch_tokens // tokens_per_micro)
+    steps = total_steps(stage, t, model, train_batches, grad_accum)
+    optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
+
+    ckpt_path = Path("artifacts/ckpt") / stage / "last.pt"
+    inputs = [DATA / train_file, DATA / val_file, TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
+    fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
+                      "backend": backend.name, "world": world}, inputs)
+    ckpt, msg = load_checkpoint(ckpt_path, fp)
+    start_step, history = 0, {}
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"], strict=False)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        train_batches.load_state(ckpt["data"])
+        set_rng_state(ckpt["rng"])
+        start_step, history = ckpt["step"], ckpt["extra"]
+    log(f"{stage}: {msg}")
+    log(f"{stage}: {model.num_params():,} params, {steps} steps x {grad_accum} micro-steps x "
+        f"{t.device_batch}x{seq_len} tokens x {world} rank(s) = {steps * grad_accum * tokens_per_micro:,} tokens "
+        f"on {device}{' (compiled)' if use_compile else ''}")
+
+    raw_model = model
+    if use_compile:
+        model = torch.compile(model, dynamic=False)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = backend.autocast(device)
+    tbytes = token_bytes(tok, device)
+    eval_batches = max(1, t.eval_tokens // tokens_per_micro)
+    flops, peak = raw_model.flops_per_token(), peak_flops(device)
+    plot = TSVLog(Path(f"artifacts/{stage}/log.tsv"), ["step", "loss", "lr", "tokens_per_s", "val_bpb", "mfu"],
+                  resume_step=start_step if ckpt else None) if rank == 0 else None
+
+    def run_eval() -> float:
+        model.eval()
+        val_batches.load_state({"pos": 0, "epoch": 0})
+        bpb = evaluate_bpb(model, val_batches, eval_batches, tbytes, device, autocast)
+        model.train()
+        return bpb
+
+    bar = tqdm(total=steps, initial=start_step, desc=stage, unit="step", disable=rank != 0, file=sys.stderr,
+               mininterval=1.0, dynamic_ncols=True)
+    loss_value, tps, mfu = float("nan"), 0.0, None
+    model.train()
+    for step in range(start_step, steps):
+        t0 = time.perf_counter()
+        mult = lr_multiplier(step, steps, t)
+        optimizer.set_lr_multiplier(mult)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(grad_accum):
+            x, y = train_batches.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            sync = model.no_sync() if world > 1 and micro < grad_accum - 1 else contextlib.nullcontext()
+            with sync, autocast:
+                loss = model(x, y)
+            (loss / grad_accum).backward()
+            loss_sum += loss.detach()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % t.log_every == 0 or done == steps or done == start_step + 1:
+            loss_value = float(loss_sum) / grad_accum  # the only host sync per logged step
+            dt = time.perf_counter() - t0
+            tps = grad_accum * tokens_per_micro / dt
+            mfu = flops * tps / (peak * world) if peak else None
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}", **({"mfu": f"{mfu:.1%}"} if mfu else {}))
+        val_bpb = run_eval() if done % t.eval_every == 0 or done == steps else None
+        if val_bpb is not None:
+            history["val_bpb"] = val_bpb
+        if plot is not None and (done % t.log_every == 0 or val_bpb is not None or done == steps):
+            plot.log(step=done, loss=loss_value, lr=mult, tokens_per_s=round(tps), val_bpb=val_bpb if val_bpb else "",
+                     mfu=round(mfu, 4) if mfu else "")
+        if rank == 0 and (done % t.checkpoint_every == 0 and done < steps):
+            save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
+        bar.update(1)
+    bar.close()
+
+    metrics = {"steps": steps, "final_loss": round(loss_value, 4), "val_bpb": round(history.get("val_bpb", float("nan")), 4),
+               "tokens_per_s": round(tps), "params": raw_model.num_params(), "backend": backend.name,
+               "emulated": backend.emulated, "device": str(device),
+               "tokens": steps * grad_accum * tokens_per_micro}
+    if mfu:
+        metrics["mfu"] = round(mfu, 4)
+    if rank == 0:
+        save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **metrics})
+        write_json(Path(f"artifacts/{stage}/metrics.json"), metrics)
+        log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
+    if world > 1:
+        dist.destroy_process_group()
+    return metrics
+
+
+def main(stage: str) -> None:
+    from .config import ConfigError, load_params
+    from model.precision import BackendUnavailable
+    try:
+        p = load_params()
+        if p.runtime.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            # relaunch this stage under torchrun, one process per GPU (DDP)
+            import subprocess
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={p.runtime.nproc}", "-m", f"pipeline.{stage}"]
+            raise SystemExit(subprocess.call(cmd))
+        train(stage, p)
+    except (ConfigError, BackendUnavailable) as e:
+        raise SystemExit(f"{stage}: {e}") from None

@@ -1,0 +1,201 @@
+"""Engine: sampling, determinism, continuous batching, stops, limits, queue, cancellation, tools."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from model.engine import (Engine, EngineConfig, Finished, PromptTooLong, QueueFull, SamplingParams, Token,
+                          sample)
+from model.gpt import GPTConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- a scripted stand-in for GPT: the next id is a function of the last input id ----
+
+class ScriptModel(torch.nn.Module):
+    def __init__(self, table: dict[int, int], vocab: int = 32, seq_len: int = 64, gate: threading.Event | None = None):
+        super().__init__()
+        self.config = GPTConfig(vocab_size=vocab, n_layer=1, n_embd=8, n_head=1, n_kv_head=1, seq_len=seq_len)
+        self.rope_len = seq_len * 4
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.table, self.gate, self.inputs = table, gate, []
+
+    def forward(self, idx, kv_cache):
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.inputs.append(idx.tolist())
+        kv_cache.lengths += idx.shape[1]
+        logits = torch.full((*idx.shape, self.config.vocab_size), -10.0)
+        for b in range(idx.shape[0]):
+            logits[b, -1, self.table.get(int(idx[b, -1]), 0)] = 10.0
+        return logits
+
+
+def run(engine, prompt, **kw):
+    return engine.generate(prompt, SamplingParams(**kw))
+
+
+@pytest.fixture
+def engine_factory():
+    engines = []
+
+    def make(model, tool=None, **cfg):
+        e = Engine(model, EngineConfig(**cfg), tool=tool)
+        engines.append(e.start())
+        return e
+
+    yield make
+    for e in engines:
+        e.shutdown()
+
+
+# ---- sampling ----
+
+def test_sample_greedy_topk_topp():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    best = logits.argmax(-1)
+    u = torch.rand(4)
+    ones = torch.ones(4)
+    assert torch.equal(sample(logits, torch.zeros(4), torch.zeros(4, dtype=torch.long), ones, u), best)
+    assert torch.equal(sample(logits, ones, torch.ones(4, dtype=torch.long), ones, u), best)
+    assert torch.equal(sample(logits, ones, torch.zeros(4, dtype=torch.long), torch.full((4,), 1e-6), u), best)
+    # top-k 3: always one of the three likeliest
+    top3 = logits.topk(3).indices
+    for _ in range(20):
+        got = sample(logits, ones * 2, torch.full((4,), 3, dtype=torch.long), ones, torch.rand(4))
+        assert all(int(g) in top3[i].tolist() for i, g in enumerate(got))
+
+
+def test_sample_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    u = torch.linspace(0, 0.999, 1000)
+    ids = sample(logits.expand(1000, 3), torch.ones(1000), torch.zeros(1000, dtype=torch.long),
+                 torch.ones(1000), u)
+    counts = torch.bincount(ids, minlength=3).float() / 1000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2]), atol=0.01)
+
+
+def test_sampling_params_checked_up_front():
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# ---- the real model ----
+
+def test_seeded_requests_repeat(engine_factory, serve_model):
+    e = engine_factory(serve_model, max_batch=4)
+    a, _ = run(e, [1, 2, 3], temperature=1.5, max_tokens=30, seed=7)
+    b, _ = run(e, [1, 2, 3], temperature=1.5, max_tokens=30, seed=7)
+    c, _ = run(e, [1, 2, 3], temperature=1.5, max_tokens=30, seed=8)
+    assert a == b and a != c
+
+
+def test_batched_equals_alone(engine_factory, serve_model):
+    """Requests sharing the batch (joining, leaving, rows moved) produce exactly what they do alone."""
+    e = engine_factory(serve_model, max_batch=3)
+    prompts = [[5, 6, 7], [9], [20, 21, 22, 23, 24], [30, 31], [40, 41, 42, 43]]
+    lengths = [12, 30, 7, 25, 18]
+    alone = [run(e, p, temperature=0, max_tokens=n)[0] for p, n in zip(prompts, lengths)]
+    results = [[] for _ in prompts]
+    finished = threading.Semaphore(0)
+
+    def sink_for(out):
+        return lambda ev: out.append(ev.id) if isinstance(ev, Token) else finished.release()
+
+    for p, n, out in zip(prompts, lengths, results):
+        e.submit(p, SamplingParams(temperature=0, max_tokens=n), sink_for(out))
+    for _ in prompts:
+        assert finished.acquire(timeout=30)
+    assert results == alone
+    assert [len(a) for a in alone] == lengths
+
+
+def test_context_limit(engine_factory, serve_model):
+    e = engine_factory(serve_model, max_batch=2)
+    ctx = e.max_len
+    ids, fin = run(e, list(range(1, ctx - 4)), temperature=0, max_tokens=100)
+    assert (len(ids), fin.reason) == (5, "length")
+    with pytest.raises(PromptTooLong):
+        run(e, list(range(ctx)), max_tokens=1)
+
+
+# ---- scheduling, with the scripted model ----
+
+def test_stop_id_ends_reply_unemitted(engine_factory):
+    m = ScriptModel({1: 5, 5: 6, 6: 2})  # 2 is the stop id
+    e = engine_factory(m, stop_ids=(2,))
+    ids, fin = run(e, [1], temperature=0, max_tokens=10)
+    assert ids == [5, 6] and fin.reason == "stop" and fin.completion_tokens == 2 and fin.prompt_tokens == 1
+
+
+def test_tool_call_is_force_fed(engine_factory):
+    PS, PE, OS, OE, END = 20, 21, 22, 23, 2
+    seen = []
+
+    def tool(expr):
+        seen.append(list(expr))
+        return [OS, 9, OE]
+
+    m = ScriptModel({1: PS, PS: 10, 10: 11, 11: PE, PE: 3, OE: END})
+    e = engine_factory(m, tool=tool, stop_ids=(END,), tool_start=PS, tool_end=PE)
+    out, done = [], threading.Event()
+    e.submit([1], SamplingParams(temperature=0, max_tokens=20),
+             lambda ev: (out.append(ev), isinstance(ev, Finished) and done.set()))
+    assert done.wait(10)
+    assert seen == [[10, 11]]
+    assert [(t.id, t.forced) for t in out[:-1]] == [(PS, False), (10, False), (11, False), (PE, False),
+                                                    (OS, True), (9, True), (OE, True)]
+    assert out[-1].reason == "stop"
+    fed = [row[0][-1] for row in m.inputs[1:]]  # the decode inputs after the prefill
+    assert fed[-3:] == [OS, 9, OE]
+
+
+def test_queue_full_and_cancel_frees_the_row(engine_factory):
+    gate = threading.Event()
+    m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
+    e = engine_factory(m, max_batch=1, max_queue=1)
+    events = {0: [], 1: []}
+    first = e.submit([1], SamplingParams(temperature=0, max_tokens=1000), events[0].append)
+    time.sleep(0.1)  # the first request is being prefilled (blocked in the gate)
+    e.submit([1], SamplingParams(temperature=0, max_tokens=3), events[1].append)
+    with pytest.raises(QueueFull):
+        e.submit([1], SamplingParams(max_tokens=3), lambda ev: None)
+    assert e.queue_depth == 1
+    e.cancel(first)
+    gate.set()
+    deadline = time.time() + 10
+    while not (events[1] and isinstance(events[1][-1], Finished)) and time.time() < deadline:
+        time.sleep(0.01)
+    assert isinstance(events[0][-1], Finished) and events[0][-1].reason == "cancelled"
+    assert [ev.id for ev in events[1][:-1]] == [2, 3, 4] and events[1][-1].reason == "length"
+    assert e.num_active == 0 and e.queue_depth == 0
+
+
+def test_cancelling_a_waiting_request_frees_the_queue(engine_factory):
+    gate = threading.Event()
+    m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
+    e = engine_factory(m, max_batch=1, max_queue=1)
+    e.submit([1], SamplingParams(temperature=0, max_tokens=2), lambda ev: None)
+    time.sleep(0.05)
+    waiting = e.submit([1], SamplingParams(max_tokens=2), lambda ev: None)
+    e.cancel(waiting)
+    assert e.queue_depth == 0
+    e.submit([1], SamplingParams(max_tokens=2), lambda ev: None)  # room again
+    gate.set()
+
+
+def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
+    e = engine_factory(serve_model, max_batch=2)
+
+    def bad(ev):
+        raise RuntimeError("client gone")
+
+    e.submit([1, 2], SamplingParams(max_tokens=50), bad)
+    ids, fin = run(e, [3, 4], temperature=0, max_tokens=5)
+    assert len(ids) == 5 and fin.reason == "length"
