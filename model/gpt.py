@@ -198,7 +198,7 @@ class GPT(nn.Module):
         matmul_params = c.n_layer * per_layer + c.n_embd * c.vocab_size
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.seq_len
 
-    def forward(self, idx, targets=None, loss_mask=None, kv_cache: KVCache | None = None,
+    def forward(self, idx, targets=None, kv_cache: KVCache | None = None,
                 reduction: str = "mean"):
         B, T = idx.shape
         if kv_cache is None:
@@ -222,10 +222,6 @@ class GPT(nn.Module):
         logits = cap * torch.tanh(logits / cap)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none")
-        if loss_mask is not None:
-            m = loss_mask.view(-1).float()
-            if reduction == "none":
-                return loss * m
-            return (loss * m).sum() / m.sum().clamp(min=1.0)
-        return loss if reduction == "none" else loss.mean()
+        # targets of -1 are ignored (padding, prompt tokens in SFT); the mean is over the rest
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               reduction=reduction)

@@ -40,7 +40,7 @@ def to_messages(message, history, system_prompt: str) -> list[dict]:
     return msgs
 
 
-def build_ui(app: FastAPI) -> gr.Blocks:
+def build_ui(app: FastAPI) -> gr.ChatInterface:
     async def respond(message, history, system_prompt, temperature, top_k, max_tokens):
         runtime = app.state.runtime
         if runtime is None:
@@ -64,23 +64,22 @@ def build_ui(app: FastAPI) -> gr.Blocks:
         if not reply:
             yield "(empty reply)"
 
-    with gr.Blocks(title="sparkchat") as demo:
-        gr.ChatInterface(
-            respond,
-            title="sparkchat",
-            description="A small ChatGPT-style model, trained from scratch.",
-            additional_inputs=[
-                gr.Textbox(label="System prompt", value="", lines=2),
-                gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature"),
-                gr.Slider(0, 200, value=50, step=1, label="Top-k (0: off)"),
-                gr.Slider(1, 1024, value=256, step=1, label="Max tokens"),
-            ],
-            additional_inputs_accordion=gr.Accordion("Settings", open=False),
-            stop_btn=True,
-            autofocus=True,
-            fill_height=True,
-        )
-    return demo
+    return gr.ChatInterface(
+        respond,
+        title="sparkchat",
+        description="A small ChatGPT-style model, trained from scratch.",
+        textbox=gr.Textbox(placeholder="Message sparkchat", show_label=False, scale=7, autofocus=True,
+                           submit_btn=True, stop_btn=True),
+        additional_inputs=[
+            gr.Textbox(label="System prompt", value="", lines=2, render=False),
+            gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature", render=False),
+            gr.Slider(0, 200, value=50, step=1, label="Top-k (0: off)", render=False),
+            gr.Slider(1, 1024, value=256, step=1, label="Max tokens", render=False),
+        ],
+        additional_inputs_accordion=gr.Accordion("Settings: system prompt, sampling", open=False, render=False),
+        stop_btn=True,
+        fill_height=True,
+    )
 
 
 def mount_ui(app: FastAPI, settings) -> None:

@@ -1,0 +1,83 @@
+"""A real browser (Debian's headless chromium via Playwright) chats on the Gradio page.
+
+Skips itself when chromium or playwright is missing. Saves a screenshot under test-artifacts/.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed "
+                               "(pip install playwright; no browser download needed)")
+
+
+class SlowModel:
+    def __init__(self, model, delay):
+        self.model, self.delay = model, delay
+
+    def __call__(self, *a, **kw):
+        time.sleep(self.delay)
+        return self.model(*a, **kw)
+
+
+@pytest.fixture(scope="module")
+def ui_server(serve_start, serve_model_dir):
+    from serve.api import Settings, create_app
+    from serve.runtime import Runtime
+
+    def loader(metrics):  # 40 ms a token, so the reply visibly streams
+        rt = Runtime.load(serve_model_dir, metrics, "cpu", max_batch=4)
+        rt.engine.model = SlowModel(rt.engine.model, 0.04)
+        return rt
+
+    return serve_start(create_app(Settings(model_dir=serve_model_dir), loader=loader))
+
+
+def test_chat_page_streams_a_reply(ui_server):
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run",
+            # hermetic, and no waiting on web fonts: every host but loopback fails to resolve at once
+            # (request interception would buffer Gradio's event stream, so it is not used)
+            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 800})
+            page.goto(ui_server.url + "/", wait_until="domcontentloaded")
+            box = page.get_by_placeholder("Message sparkchat")
+            box.wait_for(timeout=30_000)
+            box.fill("Hello! How are you today?")
+            box.press("Enter")
+            bot = page.locator(".message.bot, [data-testid='bot']").last
+            bot.wait_for(timeout=30_000)
+            stop = page.locator("button.stop-button")
+            lengths, stop_seen = [], False
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                text = bot.inner_text()
+                if text.strip() and (not lengths or len(text) != lengths[-1]):
+                    lengths.append(len(text)); print(repr(text[:40]), stop.is_visible(), stop.count())
+                stop_seen = stop_seen or stop.is_visible()
+                if len(lengths) >= 3 and not stop.is_visible():
+                    break
+                time.sleep(0.05)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
+            final = bot.inner_text()
+        finally:
+            browser.close()
+    assert final.strip(), "no reply appeared"
+    assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
+    assert lengths == sorted(lengths)
+    assert stop_seen, "no stop button while the reply streamed"
