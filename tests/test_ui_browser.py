@@ -59,15 +59,15 @@ def test_chat_page_streams_a_reply(ui_server):
             box.wait_for(timeout=30_000)
             box.fill("Hello! How are you today?")
             box.press("Enter")
-            bot = page.locator(".message.bot, [data-testid='bot']").last
+            bot = page.locator(".message.bot:not(.pending)").last  # "pending" shows a loading label
             bot.wait_for(timeout=30_000)
-            stop = page.locator("button.stop-button")
+            stop = page.get_by_test_id("stop-button")
             lengths, stop_seen = [], False
             deadline = time.time() + 30
             while time.time() < deadline:
                 text = bot.inner_text()
                 if text.strip() and (not lengths or len(text) != lengths[-1]):
-                    lengths.append(len(text)); print(repr(text[:40]), stop.is_visible(), stop.count())
+                    lengths.append(len(text))
                 stop_seen = stop_seen or stop.is_visible()
                 if len(lengths) >= 3 and not stop.is_visible():
                     break
