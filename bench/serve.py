@@ -1,0 +1,141 @@
+"""Serving throughput: aggregate generated tokens/s at 1, 4 and 16 concurrent streams, in one run.
+
+Starts the real server (`python -m serve`, a separate process, on a free loopback port) over a model
+directory, then runs N client streams at once (each one request after another, `--rounds` of them) and
+counts the completion tokens the server reports in each stream's usage frame:
+
+    python bench/serve.py                        # the pipeline's final model (artifacts/model)
+    python bench/serve.py --random-init 4        # no trained model yet: a random depth-4 model
+
+Continuous batching should make 16 streams give several times the tokens/s of one: all active rows
+decode in one forward, so the per-step cost grows far slower than the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of France?",
+           "Write a poem about the sea.", "Explain how a computer works.", "Hello! How are you today?",
+           "List some animals and describe them.", "What is 12 + 30?", "Describe your favourite food."]
+
+
+def random_model_dir(depth: int, out: Path) -> Path:
+    """A random model shaped like the default (CPU) profile: width 32*depth, heads of 32, GQA 2:1."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from model.gpt import GPT, GPTConfig
+    from model.model_dir import save_model_dir
+    from model.tokenizer import SparkTokenizer
+
+    texts = []  # tokenizer text: Python's own standard library sources (local, no download)
+    for f in sorted(Path(os.__file__).parent.glob("*.py"))[:60]:
+        texts.append(f.read_text(errors="ignore"))
+    tok = SparkTokenizer.train(texts, vocab_size=2048)
+    n_embd = 32 * depth
+    cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=depth, n_embd=n_embd, n_head=n_embd // 32,
+                    n_kv_head=max(1, n_embd // 64), seq_len=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.init_weights(seed=0)
+    save_model_dir(out, model, tok, {"temperature": 1.0, "top_k": 50, "max_tokens": 100})
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> int:
+    body = {"model": "sparkchat", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    return tokens
+
+
+async def run_level(base: str, streams: int, rounds: int, max_tokens: int) -> tuple[int, float]:
+    url = base + "/v1/chat/completions"
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async def worker(w: int) -> int:
+            return sum([await one_stream(client, url, w * rounds + r, max_tokens) for r in range(rounds)])
+
+        await one_stream(client, url, 999, 4)  # warm-up
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(worker(w) for w in range(streams)))
+        return sum(counts), time.perf_counter() - t
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="artifacts/model", help="model directory (default: %(default)s)")
+    ap.add_argument("--random-init", type=int, metavar="DEPTH", help="bench a random model of this depth instead")
+    ap.add_argument("--levels", default="1,4,16", help="concurrent streams to measure (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="requests per stream, one after another")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = random_model_dir(args.random_init, Path(tmp) / "model") if args.random_init else Path(args.model)
+        if not (model_dir / "config.json").is_file():
+            sys.exit(f"{model_dir} is not a model directory: run the pipeline, or pass --random-init DEPTH")
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(port),
+               "--device", args.device, "--max-batch", str(max(levels)), "--max-queue", "256"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.pop("SPARKCHAT_API_KEY", None)
+        server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.time() + 120
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None or time.time() > deadline:
+                    sys.exit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
+                time.sleep(0.2)
+            results = {}
+            for n in levels:
+                tokens, secs = asyncio.run(run_level(base, n, args.rounds, args.max_tokens))
+                results[n] = tokens / secs
+                print(f"{n:3d} streams: {tokens:6d} tokens in {secs:6.2f} s = {results[n]:8.1f} tokens/s"
+                      + (f"  ({results[n] / results[levels[0]]:.2f}x vs {levels[0]})" if n != levels[0] else ""),
+                      flush=True)
+        finally:
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return results
+
+
+if __name__ == "__main__":
+    main()
