@@ -296,5 +296,14 @@ def test_probe_cpu_tiny(tmp_path):
                     device="cpu", out_dir=str(tmp_path), log=lambda *_: None)
     rows = {r["label"]: r for r in out["results"]}
     assert rows["bf16"]["ran"] and rows["fp8"]["ran"] and rows["fp8"]["speedup"] > 0
-    assert not rows["te-fp8[mxfp8,fused]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,fused]"]["reason"]
+    assert not rows["te-fp8[mxfp8,linear]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,linear]"]["reason"]
     assert (tmp_path / "probe.json").is_file() and "| bf16 | yes |" in (tmp_path / "probe.md").read_text()
+
+
+def test_options_from_params():
+    from model.precision import options_from_params
+    prec = {"backend": "te-fp8", "te_recipe": "delayed", "te_modules": "fused",
+            "nvfp4": {"rht": False, "bf16_last_blocks": 1}, "fp8": {"fast_accum": "all"}}
+    assert options_from_params("te-fp8", prec) == {"recipe": "delayed", "modules": "fused"}
+    for name in BACKENDS:
+        get_backend(name, options_from_params(name, prec))  # every section is accepted by its backend

@@ -27,6 +27,23 @@ def get_backend(name: str, options: dict | None = None, layer_filter: LayerFilte
     return BACKENDS[name](options, layer_filter)
 
 
+def options_from_params(name: str, precision: dict) -> dict:
+    """Backend options from params.yaml's `precision:` section:
+    fp8 <- precision.fp8; te-fp8 <- te_recipe, te_modules, te_compile; te-nvfp4 and nvfp4-emulated <-
+    precision.nvfp4; auto <- precision.auto."""
+    p = precision or {}
+    if name == "fp8":
+        return dict(p.get("fp8") or {})
+    if name == "te-fp8":
+        keys = {"te_recipe": "recipe", "te_modules": "modules", "te_compile": "compile"}
+        return {opt: p[k] for k, opt in keys.items() if k in p}
+    if name in ("te-nvfp4", "nvfp4-emulated"):
+        return dict(p.get("nvfp4") or {})
+    if name == "auto":
+        return dict(p.get("auto") or {})
+    return {}
+
+
 def available_backends(device: torch.device) -> list[str]:
     out = []
     for name, cls in BACKENDS.items():
@@ -41,4 +58,4 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 __all__ = ["BACKENDS", "BackendUnavailable", "LayerFilter", "PrecisionBackend", "get_backend", "available_backends",
-           "disable_low_precision"]
+           "disable_low_precision", "options_from_params"]

@@ -65,10 +65,11 @@ def te_recipe_reason(recipe_key: str, class_name: str, min_cap, where: str, devi
 
 class TEFp8Backend(PrecisionBackend):
     """Options: recipe (delayed|current|block|mxfp8, default current), modules (linear|fused, default
-    fused), amax_history_len and amax_compute_algo (delayed only), compile (true: compile around TE;
+    linear), amax_history_len and amax_compute_algo (delayed only), compile (true: compile around TE;
     false: leave the whole model eager)."""
     name = "te-fp8"
-    DEFAULTS = {"recipe": "current", "modules": "fused", "amax_history_len": 16, "amax_compute_algo": "max",
+    # modules=linear by default: on the H200 at d20 it measured 0.89x bf16 against 0.76x for fused
+    DEFAULTS = {"recipe": "current", "modules": "linear", "amax_history_len": 16, "amax_compute_algo": "max",
                 "compile": True}
 
     def __init__(self, options=None, layer_filter=None):
