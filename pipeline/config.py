@@ -101,26 +101,63 @@ class TokenizerParams:
 
 
 @dataclass
-class PrecisionParams:
-    backend: str = "bf16"
-    """bf16 | fp8 | te-fp8 | te-nvfp4 | fp8-emulated | nvfp4-emulated | auto. Stages may override."""
-    te_recipe: str = "current"
-    """Transformer Engine FP8 recipe: delayed | current | block | mxfp8."""
-    nvfp4_random_hadamard: bool = True
-    """NVFP4: random Hadamard transform on the wgrad GEMM inputs (TE's training recommendation)."""
-    nvfp4_stochastic_rounding: bool = True
-    """NVFP4: stochastic rounding of gradients."""
-    nvfp4_keep_last_layers_bf16: int = 0
-    """NVFP4: number of final transformer blocks kept in BF16."""
+class Fp8Params:
+    fast_accum: str = "forward"
+    """torch._scaled_mm fast accumulation: forward (only the forward GEMM) | all | none."""
+
+
+@dataclass
+class Nvfp4Params:
+    """NVFP4 training recipe (TE's recommendations), for te-nvfp4 and nvfp4-emulated."""
+    weight_2d: bool = True
+    """16x16 block scales for weights (so W and W^T quantise alike)."""
+    stochastic_rounding: bool = True
+    """Stochastic rounding of gradients."""
+    rht: bool = True
+    """Random Hadamard transform on the weight-gradient GEMM's inputs."""
+    bf16_last_blocks: int = 2
+    """Final transformer blocks kept in BF16."""
+
+
+@dataclass
+class AutoParams:
+    probe_file: str = "artifacts/probe/probe.json"
+    """Probe results `auto` picks from (measured on the same GPU), else a static preference order."""
+    max_loss_diff_pct: float = 1.0
+    """A backend whose probe loss is further than this from bf16 is never picked."""
+
+
+@dataclass
+class LayerFilterParams:
     dim_multiple: int = 16
     """Only Linear layers whose dims are multiples of this convert (FP8/FP4 GEMM requirement)."""
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
     """Layer names (substrings) that stay in high precision."""
 
+
+@dataclass
+class PrecisionParams:
+    backend: str = "bf16"
+    """bf16 | fp8 | te-fp8 | te-nvfp4 | fp8-emulated | nvfp4-emulated | auto. Stages may override."""
+    te_recipe: str = "current"
+    """Transformer Engine FP8 recipe: delayed | current | block | mxfp8."""
+    te_modules: str = "linear"
+    """te-fp8 modules: linear (te.Linear swap) | fused (te.LayerNormMLP for the MLP)."""
+    te_compile: bool = True
+    """Compile the model around the (eager) TE modules."""
+    fp8: Fp8Params = field(default_factory=Fp8Params)
+    nvfp4: Nvfp4Params = field(default_factory=Nvfp4Params)
+    auto: AutoParams = field(default_factory=AutoParams)
+    layer_filter: LayerFilterParams = field(default_factory=LayerFilterParams)
+
     def check(self, key: str) -> None:
         _choice(self.backend, PRECISION_NAMES, f"{key}.backend")
         _choice(self.te_recipe, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipe")
-        _positive(self, key, "dim_multiple")
+        _choice(self.te_modules, ("linear", "fused"), f"{key}.te_modules")
+        _choice(self.fp8.fast_accum, ("forward", "all", "none"), f"{key}.fp8.fast_accum")
+        _positive(self.layer_filter, f"{key}.layer_filter", "dim_multiple")
+        if self.nvfp4.bf16_last_blocks < 0:
+            raise ConfigError(f"{key}.nvfp4.bf16_last_blocks must be >= 0")
 
 
 @dataclass
@@ -216,19 +253,24 @@ class RuntimeParams:
 
 @dataclass
 class ProbeParams:
+    """`sparkchat probe` / `dvc repro bench/dvc.yaml`: every backend for a few steps on this machine."""
     steps: int = 20
     depth: int = 2
     seq_len: int = 128
-    device_batch: int = 4
+    batch: int = 4
+    vocab: int = 2048
+    seed: int = 0
     backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "te-fp8", "te-nvfp4",
                                                          "fp8-emulated", "nvfp4-emulated"])
+    """Backend names, or name:recipe for one te-fp8 recipe."""
     te_recipes: list[str] = field(default_factory=lambda: ["delayed", "current", "block", "mxfp8"])
-    seed: int = 0
 
     def check(self, key: str) -> None:
-        _positive(self, key, "steps", "depth", "seq_len", "device_batch")
+        _positive(self, key, "steps", "depth", "seq_len", "batch", "vocab")
         for b in self.backends:
-            _choice(b, PRECISION_NAMES, f"{key}.backends")
+            _choice(b.split(":", 1)[0], PRECISION_NAMES, f"{key}.backends")
+        for r in self.te_recipes:
+            _choice(r, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipes")
 
 
 @dataclass

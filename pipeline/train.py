@@ -28,7 +28,7 @@ from tqdm import tqdm
 from model.gpt import GPT, GPTConfig
 from model.model_dir import load_model_dir, save_model_dir
 from model.optim import build_optimizer
-from model.precision import LayerFilter, get_backend
+from model.precision import LayerFilter, get_backend, options_from_params
 from model.tokenizer import SparkTokenizer
 
 from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
@@ -158,11 +158,9 @@ def train(stage: str, p: Params) -> dict:
     init_dir, train_file, val_file, out_dir = STAGES[stage]
     device = resolve_device(p.runtime.device)
     pr = p.precision
-    backend = get_backend(p.backend_for(stage),
-                          {"te_recipe": pr.te_recipe, "nvfp4_random_hadamard": pr.nvfp4_random_hadamard,
-                           "nvfp4_stochastic_rounding": pr.nvfp4_stochastic_rounding,
-                           "nvfp4_keep_last_layers_bf16": pr.nvfp4_keep_last_layers_bf16},
-                          LayerFilter(pr.dim_multiple, list(pr.skip)))
+    name = p.backend_for(stage)
+    backend = get_backend(name, options_from_params(name, asdict(pr)),
+                          LayerFilter(pr.layer_filter.dim_multiple, list(pr.layer_filter.skip)))
     backend.check(device)  # fail before any work
     rank, world, device = setup_distributed(device)
     if p.runtime.threads:
