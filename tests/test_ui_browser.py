@@ -55,8 +55,8 @@ def test_chat_page_streams_a_reply(ui_server):
         try:
             page = browser.new_page(viewport={"width": 1100, "height": 800})
             page.goto(ui_server.url + "/", wait_until="domcontentloaded")
-            box = page.get_by_placeholder("Message sparkchat")
-            box.wait_for(timeout=30_000)
+            page.get_by_placeholder("Message sparkchat").wait_for(timeout=30_000)
+            box = page.get_by_placeholder("Message sparkchat").element_handle()  # the placeholder goes later
             box.fill("Hello! How are you today?")
             box.press("Enter")
             bot = page.locator(".message.bot:not(.pending)").last  # "pending" shows a loading label
@@ -75,9 +75,26 @@ def test_chat_page_streams_a_reply(ui_server):
             page.wait_for_timeout(500)
             page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
             final = bot.inner_text()
+
+            # a second message, stopped mid-reply: the engine row is freed at once
+            engine = ui_server.app.state.runtime.engine
+            page.get_by_label("Clear").first.click()  # the tiny model's context holds one exchange
+            box.fill("Tell me more.")
+            box.press("Enter")
+            stop.wait_for(timeout=30_000)
+            deadline = time.time() + 20
+            while engine.num_active == 0 and time.time() < deadline:
+                time.sleep(0.02)
+            assert engine.num_active == 1
+            stop.click()
+            deadline = time.time() + 5
+            while engine.num_active and time.time() < deadline:
+                time.sleep(0.02)
+            stopped_in = 5 - (deadline - time.time())
         finally:
             browser.close()
     assert final.strip(), "no reply appeared"
     assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
     assert lengths == sorted(lengths)
     assert stop_seen, "no stop button while the reply streamed"
+    assert stopped_in < 2, "the stop button did not free the engine row"
