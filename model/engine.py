@@ -64,12 +64,14 @@ class SamplingParams:
     def __post_init__(self):
         if not (self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.top_k < 2**31):
+            raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 
 @dataclass

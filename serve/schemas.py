@@ -49,12 +49,13 @@ class ChatCompletionRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0, description="extension: sample from the k likeliest (0: all)")
+    top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1,
+                                 description="extension: sample from the k likeliest (0: all)")
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)  # choice i uses seed + i
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 

@@ -81,7 +81,8 @@ def test_sample_follows_the_distribution():
 
 
 def test_sampling_params_checked_up_front():
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_tokens": 0}):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"top_k": 2**40}, {"max_tokens": 0},
+                {"seed": 2**70}, {"temperature": float("nan")}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
