@@ -113,11 +113,6 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
                           choices=choices, usage=_usage(prompt, streams))
 
 
-def _sse(obj) -> str:
-    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
 def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
     """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator."""
     streams = open_streams(req, runtime, prompt)
