@@ -1,7 +1,7 @@
 """Serving throughput: aggregate generated tokens/s at 1, 4 and 16 concurrent streams, in one run.
 
 Starts the real server (`python -m serve`, a separate process, on a free loopback port) over a model
-directory, then runs N client streams at once (each one request after another, `--rounds` of them) and
+directory, then keeps N client streams busy for `--seconds` (each sends one request after another) and
 counts the completion tokens the server reports in each stream's usage frame:
 
     python bench/serve.py                        # the pipeline's final model (artifacts/model)
@@ -75,17 +75,23 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     return tokens
 
 
-async def run_level(base: str, streams: int, rounds: int, max_tokens: int) -> tuple[int, float]:
+async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:
+    """Each of `streams` workers sends request after request until `seconds` have passed; returns
+    (completion tokens, requests, seconds until the last one finished)."""
     url = base + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        async def worker(w: int) -> int:
-            return sum([await one_stream(client, url, w * rounds + r, max_tokens) for r in range(rounds)])
-
         await one_stream(client, url, 999, 4)  # warm-up
         t = time.perf_counter()
-        counts = await asyncio.gather(*(worker(w) for w in range(streams)))
-        return sum(counts), time.perf_counter() - t
+
+        async def worker(w: int) -> list[int]:
+            counts = []
+            while time.perf_counter() - t < seconds:
+                counts.append(await one_stream(client, url, w * 10_000 + len(counts), max_tokens))
+            return counts
+
+        counts = [c for per in await asyncio.gather(*(worker(w) for w in range(streams))) for c in per]
+        return sum(counts), len(counts), time.perf_counter() - t
 
 
 def main(argv=None) -> dict:
@@ -93,7 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="artifacts/model", help="model directory (default: %(default)s)")
     ap.add_argument("--random-init", type=int, metavar="DEPTH", help="bench a random model of this depth instead")
     ap.add_argument("--levels", default="1,4,16", help="concurrent streams to measure (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="requests per stream, one after another")
+    ap.add_argument("--seconds", type=float, default=8.0, help="how long each level keeps its streams busy")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
@@ -123,9 +129,10 @@ def main(argv=None) -> dict:
                 time.sleep(0.2)
             results = {}
             for n in levels:
-                tokens, secs = asyncio.run(run_level(base, n, args.rounds, args.max_tokens))
+                tokens, requests, secs = asyncio.run(run_level(base, n, args.seconds, args.max_tokens))
                 results[n] = tokens / secs
-                print(f"{n:3d} streams: {tokens:6d} tokens in {secs:6.2f} s = {results[n]:8.1f} tokens/s"
+                print(f"{n:3d} streams: {tokens:6d} tokens ({requests:4d} requests) in {secs:5.2f} s = "
+                      f"{results[n]:7.1f} tokens/s"
                       + (f"  ({results[n] / results[levels[0]]:.2f}x vs {levels[0]})" if n != levels[0] else ""),
                       flush=True)
         finally:

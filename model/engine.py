@@ -5,8 +5,9 @@ the generated ids one event at a time through a `sink` callback; tokenizing, cha
 *strings* are the serving layer's business.
 
 Continuous batching. One `KVCache` holds `max_batch` rows. The active sequences always occupy rows
-0..n-1. Between decode steps the scheduler admits waiting requests: each is prefilled alone in row n
-(`cache.view(n, n+1)`), then every active row decodes together in one forward over `cache.view(0, n)`.
+0..n-1. Between decode steps the scheduler admits the waiting requests that fit into rows n..n+k-1 and
+prefills them in one forward over `cache.view(n, n+k)` (k=1: a request alone in row n), then every
+active row decodes together in one forward over `cache.view(0, n+k)`.
 A finished or cancelled row leaves at once: the last active row is moved into its slot (`copy_row`), so
 the rows stay contiguous and the next step is again one forward over rows 0..n-1.
 
@@ -282,20 +283,34 @@ class Engine:
                     self.active.clear()
 
     def _admit(self) -> None:
-        while len(self.active) < self.config.max_batch:
-            with self._cv:
-                if not self.waiting:
-                    return
+        """Move waiting requests into free rows n.. and prefill them together in one forward.
+
+        Prompts are right-padded to the longest: causal attention keeps the padding from touching real
+        tokens, each row's length is then set to its own prompt, and the padding's keys (beyond the
+        length) stay masked until decoding overwrites them.
+        """
+        new: list[Request] = []
+        with self._cv:
+            while self.waiting and len(self.active) + len(new) < self.config.max_batch:
                 req = self.waiting.popleft()
-            if req.cancelled:
-                self._finish(req, "cancelled")
-                continue
-            row = len(self.active)
-            self.cache.reset_row(row)
-            ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
-            logits = self.model(ids, kv_cache=self.cache.view(row, row + 1))[:, -1]
-            self.active.append(req)
-            self._advance([req], logits)
+                if req.cancelled:
+                    self._finish(req, "cancelled")
+                else:
+                    new.append(req)
+        if not new:
+            return
+        start = len(self.active)
+        longest = max(len(r.prompt) for r in new)
+        ids = torch.zeros((len(new), longest), dtype=torch.long)
+        for b, r in enumerate(new):
+            ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
+            self.cache.reset_row(start + b)
+        view = self.cache.view(start, start + len(new))
+        logits = self.model(ids.to(self.device), kv_cache=view)
+        last = torch.tensor([len(r.prompt) - 1 for r in new], device=self.device)
+        view.lengths.copy_(last + 1)
+        self.active.extend(new)
+        self._advance(new, logits[torch.arange(len(new), device=self.device), last])
 
     def _decode(self) -> None:
         n = len(self.active)
