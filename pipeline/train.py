@@ -136,11 +136,13 @@ def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
 
 def make_batches(stage: str, split_file: str, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
     path = DATA / split_file
-    if split_file.startswith("pretrain"):
-        return TokenStream(tokenize_texts(tok, read_texts(path)), t.device_batch, seq_len, rank, world)
+    if split_file.startswith("pretrain") or stage == "midtrain":
+        tokens = tokenize_texts(tok, read_texts(path)) if split_file.startswith("pretrain") \
+            else tokenize_conversations(tok, read_conversations(path))
+        # a small validation split may hold fewer rows than a training batch: use what there is
+        rows = min(t.device_batch, max(1, (len(tokens) - 1) // (seq_len * world)))
+        return TokenStream(tokens, rows if "val" in split_file else t.device_batch, seq_len, rank, world)
     convs = read_conversations(path)
-    if stage == "midtrain":
-        return TokenStream(tokenize_conversations(tok, convs), t.device_batch, seq_len, rank, world)
     return ChatBatches(tok, convs, t.device_batch, seq_len, pad_fixed, seed=t.seed, rank=rank, world=world)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.calculator import try_calculate
+from model.calculator import calculator_tool
 from model.chat import render
 from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
 from model.model_dir import load_model_dir
@@ -32,16 +32,6 @@ def pick_device(device: str | None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def calculator_tool(tok: SparkTokenizer):
-    """Engine tool callback: expression ids -> <|output_start|> result <|output_end|> ids."""
-    start, end = tok.special["<|output_start|>"], tok.special["<|output_end|>"]
-
-    def tool(expr_ids: list[int]) -> list[int]:
-        return [start, *tok.encode(try_calculate(tok.decode(expr_ids))), end]
-
-    return tool
 
 
 class StreamDecoder:

@@ -5,8 +5,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml
+[ -n "$EPOCHS" ] && sed -i "s/epochs: 2.0/epochs: $EPOCHS/" profiles/h200-small.yaml
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
-for s in pretrain midtrain sft; do
+for s in ${STAGES:-pretrain midtrain sft}; do
   start=$(date +%s)
   python3 -m pipeline.$s 2>&1 | tr '\r' '\n' | grep -v '^\s*$' > $OUT/$s.log
   rc=$?; echo "$s rc=$rc $(( $(date +%s) - start ))s"; grep -v 'step/s' $OUT/$s.log | tail -4
