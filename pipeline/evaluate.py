@@ -29,7 +29,7 @@ from model.model_dir import load_model_dir
 from .config import Params, load_params
 from .data import read_texts, tokenize_texts, TokenStream
 from .metrics import atomic_write_text, write_json
-from .sources import iter_conversations, iter_texts, _hub_dataset, _local_dataset
+from .sources import open_dataset
 from .train import evaluate_bpb, resolve_device, token_bytes
 
 DATA = Path("artifacts/data")
@@ -98,7 +98,7 @@ def extra_items(spec: str, n: int) -> tuple[str, list[dict]]:
     """evaluate.extra entry -> (kind, items). mmlu/arc rows become letter multiple choice; gsm8k rows
     exact-answer math."""
     kind, source = spec.split(":", 1)
-    ds = _hub_dataset(source, "test") if source.startswith("hub:") else _local_dataset(Path(source))
+    ds = open_dataset(source, "test")
     items = []
     for i, row in enumerate(ds):
         if i >= n:
