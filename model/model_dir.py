@@ -33,6 +33,14 @@ def portable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def upgrade_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model directories written before q, k and v were fused hold `c_q`, `c_k`, `c_v`: join them."""
+    for key in [k for k in sd if k.endswith("attn.c_q.weight")]:
+        prefix = key.removesuffix("c_q.weight")
+        sd[prefix + "c_qkv.weight"] = torch.cat([sd.pop(prefix + n + ".weight") for n in ("c_q", "c_k", "c_v")])
+    return sd
+
+
 def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, generation: dict | None = None,
                    extra: dict | None = None) -> None:
     path = Path(path)
@@ -59,7 +67,8 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     model.to_empty(device=device)
     cos, sin = model._rope_tables(model.rope_len)
     model.cos, model.sin = cos.to(device), sin.to(device)
-    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
+    model.load_state_dict(upgrade_state_dict(load_file(str(path / "model.safetensors"), device=str(device))),
+                          strict=True)
     model.to(dtype).eval()
     gen = dict(DEFAULT_GENERATION)
     if (path / "generation.json").is_file():

@@ -9,7 +9,8 @@ Data: a token file (uint16/int32 .bin or .npy of token ids, `--tokens`) or, by d
 first-order Markov source (each token has 8 successors with Zipf probabilities; entropy about 1.7
 nats), which the model can learn within a few hundred steps, so losses are comparable (uniform random
 tokens would pin every backend at ln(vocab)).
-Timing: median step time (forward + backward + optimizer) over the steps after warm-up (compile).
+Timing: medians over the steps after warm-up (compile), by CUDA events: the forward + backward micro-step
+(tokens/s, speedup and MFU; the part a backend changes) and the whole step with the optimizer.
 MFU: `model.flops_per_token()` (counted from the shape, so the same for every backend) x tokens/s /
 peak (989 TFLOP/s dense bf16 on H100/H200 SXM by default).
 """
@@ -28,7 +29,7 @@ import torch
 from model.gpt import GPT, GPTConfig
 from model.optim import build_optimizer
 from model.precision import BACKENDS, LayerFilter, get_backend
-from model.precision.base import describe_device
+from model.precision.base import compile_model, describe_device
 
 DEFAULT_BACKENDS = ["bf16", "fp8", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"]
 DEFAULT_TE_RECIPES = ["delayed", "current", "block", "mxfp8"]
@@ -100,24 +101,28 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
     opt = build_optimizer(model, *lrs)
     describe = backend.describe(device)
     log("  " + describe)
-    run = torch.compile(model) if (compile_ and device.type == "cuda" and backend.supports_compile) else model
+    compiled = compile_ and device.type == "cuda" and backend.supports_compile
+    run = compile_model(model, backend.compile_regions) if compiled else model
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    losses, times = [], []
+    losses, times, micro_times = [], [], []
     n_rows = data.shape[0]
     for step in range(steps):
         i = (step * batch) % n_rows
         chunk = data[i:i + batch]
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-        t0 = time.perf_counter()
+        clock = _Clock(device)
         with backend.autocast(device):
             loss = run(x, y)
         loss.backward()
+        clock.mark()  # forward + backward: the part a precision backend changes
         opt.step()
         opt.zero_grad(set_to_none=True)
         lv = loss.item()  # syncs
-        times.append(time.perf_counter() - t0)
+        micro_s, step_s = clock.read()
+        times.append(step_s)
+        micro_times.append(micro_s)
         losses.append(lv)
         if step in (0, steps - 1) or (step + 1) % max(1, steps // 5) == 0:
             log(f"    step {step + 1}/{steps} loss {lv:.4f} {times[-1] * 1e3:.0f} ms")
@@ -125,16 +130,44 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
             raise FloatingPointError(f"loss became {lv} at step {step + 1}")
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     warm = min(max(3, steps // 10), steps - 1)
-    timed = times[warm:]
-    med = statistics.median(timed)
+    med = statistics.median(times[warm:])
+    micro = statistics.median(micro_times[warm:])
     tail = losses[-min(10, len(losses)):]
     res = dict(label=backend.label, describe=describe, emulated=bool(backend.emulated),
-               converted=backend.converted, compiled=run is not model,
+               converted=backend.converted, compiled=compiled,
                final_loss=sum(tail) / len(tail), last_loss=losses[-1], first_loss=losses[0],
-               step_ms=med * 1e3, compile_s=sum(times[:warm]) - med * warm,
-               tokens_per_s=batch * cfg.seq_len / med, peak_mem_gib=peak, losses=losses)
+               micro_ms=micro * 1e3, step_ms=med * 1e3, compile_s=sum(times[:warm]) - med * warm,
+               tokens_per_s=batch * cfg.seq_len / micro, step_tokens_per_s=batch * cfg.seq_len / med,
+               peak_mem_gib=peak, losses=losses)
     del run, model, opt
     return res
+
+
+class _Clock:
+    """Seconds from construction to `mark()` and to `read()`: CUDA events on a GPU (no sync in between),
+    the host clock on a CPU, where work is synchronous."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[0].record()
+        else:
+            self.t = [time.perf_counter()]
+
+    def mark(self):
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.t.append(time.perf_counter())
+
+    def read(self) -> tuple[float, float]:
+        if self.cuda:
+            self.events[2].record()
+            self.events[2].synchronize()
+            return self.events[0].elapsed_time(self.events[1]) / 1e3, self.events[0].elapsed_time(self.events[2]) / 1e3
+        now = time.perf_counter()
+        return self.t[1] - self.t[0], now - self.t[0]
 
 
 def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int = 32, seed: int = 0,
@@ -216,18 +249,20 @@ def to_markdown(out: dict) -> str:
              f"torch {out['torch']}, Transformer Engine {out['te'] or 'not installed'}; depth {c['depth']} "
              f"(width {c['width']}), seq {c['seq_len']}, {c['tokens_per_step']} tokens/step, {c['steps']} steps, "
              f"data {c['data']}, MFU at {c['peak_tflops']:.0f} TFLOP/s from {c['flops_per_token'] / 1e9:.2f} GFLOP/token.",
-             "", "| backend | runs here | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | step ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the last "
+             "column is the whole step with the optimizer (the same Muon + AdamW for every backend).",
+             "", "| backend | runs here | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | micro-step ms | step ms (tok/s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in out["results"]:
         label = r["label"] + (" (EMULATED)" if r["emulated"] else "")
         if not r["available"]:
-            lines.append(f"| {label} | no: {r['reason']} | | | | | | | |")
+            lines.append(f"| {label} | no: {r['reason']} | | | | | | | | |")
         elif not r["ran"]:
-            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | |")
+            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | | |")
         else:
             lines.append(f"| {label} | yes | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f')}% | "
                          f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f')}x | {_f(r.get('mfu') and 100 * r['mfu'], '.1f')}{'%' if r.get('mfu') else ''} | "
-                         f"{_f(r['peak_mem_gib'], '.1f')} | {r['step_ms']:.0f} |")
+                         f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ from model.gpt import GPT, GPTConfig
 from model.model_dir import load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.precision import LayerFilter, get_backend, options_from_params
+from model.precision.base import compile_model
 from model.tokenizer import SparkTokenizer
 
 from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
@@ -202,7 +203,7 @@ def train(stage: str, p: Params) -> dict:
 
     raw_model = model
     if use_compile:
-        model = torch.compile(model, dynamic=False)
+        model = compile_model(model, backend.compile_regions)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = backend.autocast(device)

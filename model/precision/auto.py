@@ -84,6 +84,10 @@ class AutoBackend(PrecisionBackend):
         return self.chosen.supports_compile if self.chosen else True
 
     @property
+    def compile_regions(self):
+        return self.chosen.compile_regions if self.chosen else False
+
+    @property
     def emulated(self):
         return self.chosen.emulated if self.chosen else False
 

@@ -85,6 +85,10 @@ class PrecisionBackend:
     name: ClassVar[str]
     emulated: ClassVar[bool] = False  # numerics emulated in high precision: never faster, labelled so
     supports_compile: ClassVar[bool] = True
+    # compile block by block (and the head) instead of the whole model: for modules torch.compile must
+    # not trace (TE), whose graph break inside the layer loop would leave everything outside the
+    # blocks (embedding, head, loss) uncompiled
+    compile_regions: ClassVar[bool] = False
 
     def __init__(self, options: dict | None = None, layer_filter: LayerFilter | None = None):
         self.options = dict(options or {})
@@ -141,6 +145,17 @@ class PrecisionBackend:
     def label(self) -> str:
         """Name plus the options that change numerics, e.g. 'te-fp8[current]'."""
         return self.name
+
+
+def compile_model(model: nn.Module, regional: bool = False) -> nn.Module:
+    """torch.compile for a GPT: the whole model, or (regional) each block and the head on their own.
+    Every block is the same code, so regional compiles one block once and reuses it."""
+    if not regional:
+        return torch.compile(model, dynamic=False)
+    for block in model.blocks:
+        block.compile(dynamic=False)
+    model.head = torch.compile(model.head, dynamic=False)
+    return model
 
 
 def describe_device(device: torch.device) -> str:

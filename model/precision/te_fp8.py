@@ -84,6 +84,8 @@ class TEFp8Backend(PrecisionBackend):
             raise ValueError(f"precision.te_modules must be one of {MODULES}, got {self.cfg['modules']!r}")
         self._recipe = None
 
+    compile_regions = True  # a TE module is a graph break: compile block by block around it
+
     @property
     def supports_compile(self) -> bool:  # instance property over the class attribute
         return bool(self.cfg["compile"])
@@ -125,4 +127,4 @@ class TEFp8Backend(PrecisionBackend):
 
     def notes(self, device):
         return [f"TE recipe {RECIPES[self.cfg['recipe']][0]}, modules {self.cfg['modules']}, "
-                f"{'compiled around TE (TE eager)' if self.supports_compile else 'eager'}"]
+                f"{'compiled block by block around TE (TE eager)' if self.supports_compile else 'eager'}"]
