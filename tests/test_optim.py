@@ -57,3 +57,24 @@ def test_orthogonalize_stack_equals_each():
     # Newton-Schulz pushes singular values towards 1 (into roughly [0.7, 1.2] after 5 steps)
     sv = torch.linalg.svdvals(stacked[0].double())
     assert sv.min() > 0.5 and sv.max() < 1.3, (sv.min(), sv.max(), NS_COEFFS)
+
+
+def test_old_model_dirs_with_separate_qkv_still_load(tmp_path):
+    """Model directories saved before q/k/v were fused (c_q, c_k, c_v) load into the fused model."""
+    from model.gpt import GPT, GPTConfig
+    from model.model_dir import upgrade_state_dict
+
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, seq_len=16)
+    model = GPT(cfg)
+    model.init_weights(seed=0)
+    old = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("c_qkv.weight"):
+            for name, part in zip(("c_q", "c_k", "c_v"), v.split(cfg.qkv_rows)):
+                old[k.replace("c_qkv", name)] = part.clone()
+        else:
+            old[k] = v.clone()
+    fresh = GPT(cfg)
+    fresh.load_state_dict(upgrade_state_dict(old), strict=True)
+    x = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(fresh(x), model(x))

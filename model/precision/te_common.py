@@ -41,8 +41,20 @@ def te_missing_reason() -> str | None:
 
 
 def eager(module: nn.Module) -> nn.Module:
-    """Keep torch.compile out of this module: dynamo compiles around it (one clean graph break)."""
-    module.forward = torch.compiler.disable(module.forward, recursive=True)
+    """Keep torch.compile out of this module: dynamo compiles around it (one clean graph break).
+
+    The input is cast to the autocast dtype here, on the compiled side, where the cast fuses into the
+    kernel that produced it. Left to TE, an fp32 input (our RMSNorm output under autocast) is cast
+    eagerly on the way in, and its gradient on the way out (on the H200 at d20, eager dtype copies were
+    the largest non-GEMM kernels of a te-fp8 micro-step before this)."""
+    inner = torch.compiler.disable(module.forward, recursive=True)
+
+    def forward(x, *args, **kwargs):
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return inner(x, *args, **kwargs)
+
+    module.forward = forward
     return module
 
 
