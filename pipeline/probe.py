@@ -212,11 +212,7 @@ def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int
         if out_dir:  # partial results survive a run cut short
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "probe.partial.json").write_text(json.dumps(results, indent=1) + "\n")
-    base = next((r for r in results if r["backend"] == "bf16" and r["ran"]), None)
-    for r in results:
-        if r["ran"] and base:
-            r["loss_diff_pct"] = 100.0 * (r["final_loss"] - base["final_loss"]) / base["final_loss"]
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    compare_to_bf16(results)
     out = dict(device=describe_device(dev), torch=torch.__version__, te=_te_version(),
                config=dict(depth=depth, width=cfg.n_embd, n_head=cfg.n_head, seq_len=seq_len, batch=batch,
                            tokens_per_step=batch * seq_len, steps=steps, seed=seed, vocab=vocab,
@@ -224,11 +220,45 @@ def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int
                            params=cfg.n_layer * 12 * cfg.n_embd ** 2 + 2 * vocab * cfg.n_embd),
                results=results)
     if out_dir:
-        d = Path(out_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "probe.json").write_text(json.dumps(out, indent=1) + "\n")
-        (d / "probe.md").write_text(to_markdown(out))
+        write_probe(out, out_dir)
     return out
+
+
+def compare_to_bf16(results: list[dict]) -> None:
+    """Loss difference and speedup of every entry that ran, against the bf16 entry."""
+    base = next((r for r in results if r["backend"] == "bf16" and r["ran"]), None)
+    for r in results:
+        if r["ran"] and base:
+            r["loss_diff_pct"] = 100.0 * (r["final_loss"] - base["final_loss"]) / base["final_loss"]
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+
+
+def write_probe(out: dict, out_dir: str) -> None:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "probe.json").write_text(json.dumps(out, indent=1) + "\n")
+    (d / "probe.md").write_text(to_markdown(out))
+
+
+def merge_probes(outs: list[dict]) -> dict:
+    """One probe from several runs of the same configuration on the same device (e.g. bf16 and fp8 in
+    one process, the TE recipes in another); a backend probed twice keeps its last result."""
+    first = outs[0]
+    keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data")
+    for o in outs[1:]:
+        if o["device"] != first["device"]:
+            raise ValueError(f"cannot merge probes of different devices: {first['device']!r} and {o['device']!r}")
+        diff = [k for k in keys if o["config"].get(k) != first["config"].get(k)]
+        if diff:
+            raise ValueError(f"cannot merge probes with different {', '.join(diff)}")
+    results: dict[str, dict] = {}
+    for o in outs:
+        for r in o["results"]:
+            results[r["label"]] = r
+    merged = dict(first, te=next((o["te"] for o in outs if o.get("te")), None),
+                  torch=", ".join(sorted({o["torch"] for o in outs})), results=list(results.values()))
+    compare_to_bf16(merged["results"])
+    return merged
 
 
 def _te_version():
@@ -281,7 +311,14 @@ def main(argv=None):
     p.add_argument("--device")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default=".", help="folder for probe.json and probe.md")
+    p.add_argument("--merge", nargs="+", metavar="PROBE_JSON",
+                   help="probe nothing: merge probe.json files of one configuration into --out")
     a = p.parse_args(argv)
+    if a.merge:
+        out = merge_probes([json.loads(Path(f).read_text()) for f in a.merge])
+        write_probe(out, a.out)
+        print(to_markdown(out))
+        return
     kw = {}
     if a.params:
         import yaml

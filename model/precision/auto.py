@@ -5,8 +5,8 @@ Choice, in order:
    of the same name and compute capability: the highest tokens/s among entries that ran, are not
    emulated, and whose loss stayed within `max_loss_diff_pct` (default 1%) of bf16; its options too.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, which is what the
-   probe measured on an H200 (bench/results/): fp8 first (compiled, fastest there), then te-fp8 with
-   current scaling, then bf16. NVFP4 is never chosen without a probe (its loss needs checking first).
+   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03): fp8 first (1.12x bf16), then
+   te-fp8 with delayed scaling (1.10x), then bf16. NVFP4 is never chosen without a probe (its loss needs checking first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from .base import PrecisionBackend, describe_device
 
-PREFERENCE = [("fp8", {}), ("te-fp8", {"recipe": "current"}), ("bf16", {})]
+PREFERENCE = [("fp8", {}), ("te-fp8", {"recipe": "delayed"}), ("bf16", {})]
 
 
 class AutoBackend(PrecisionBackend):
