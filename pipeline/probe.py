@@ -10,7 +10,8 @@ first-order Markov source (each token has 8 successors with Zipf probabilities; 
 nats), which the model can learn within a few hundred steps, so losses are comparable (uniform random
 tokens would pin every backend at ln(vocab)).
 Timing: medians over the steps after warm-up (compile), by CUDA events: the forward + backward micro-step
-(tokens/s, speedup and MFU; the part a backend changes) and the whole step with the optimizer.
+(tokens/s, speedup and MFU; the part a backend changes) and the whole step with the optimizer. The host
+reads losses every 10 steps, as a training loop would, so it queues work ahead of the GPU.
 MFU: `model.flops_per_token()` (counted from the shape, so the same for every backend) x tokens/s /
 peak (989 TFLOP/s dense bf16 on H100/H200 SXM by default).
 """
@@ -107,6 +108,23 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     losses, times, micro_times = [], [], []
+    pending = []  # steps whose loss and timings the host has not read yet
+
+    def drain():
+        # reading a loss waits for the GPU: done every few steps, not every step, so the host keeps
+        # queueing work ahead and the GPU never idles between the timed steps
+        for n, clock, loss in pending:
+            lv = loss.item()
+            micro_s, step_s = clock.read()
+            times.append(step_s)
+            micro_times.append(micro_s)
+            losses.append(lv)
+            if n in (1, steps) or n % max(1, steps // 5) == 0:
+                log(f"    step {n}/{steps} loss {lv:.4f} {step_s * 1e3:.0f} ms")
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"loss became {lv} at step {n}")
+        pending.clear()
+
     n_rows = data.shape[0]
     for step in range(steps):
         i = (step * batch) % n_rows
@@ -119,15 +137,10 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
         clock.mark()  # forward + backward: the part a precision backend changes
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lv = loss.item()  # syncs
-        micro_s, step_s = clock.read()
-        times.append(step_s)
-        micro_times.append(micro_s)
-        losses.append(lv)
-        if step in (0, steps - 1) or (step + 1) % max(1, steps // 5) == 0:
-            log(f"    step {step + 1}/{steps} loss {lv:.4f} {times[-1] * 1e3:.0f} ms")
-        if not math.isfinite(lv):
-            raise FloatingPointError(f"loss became {lv} at step {step + 1}")
+        clock.stop()
+        pending.append((step + 1, clock, loss.detach()))
+        if step < 3 or len(pending) >= 10 or step == steps - 1:
+            drain()
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     warm = min(max(3, steps // 10), steps - 1)
     med = statistics.median(times[warm:])
@@ -144,8 +157,8 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
 
 
 class _Clock:
-    """Seconds from construction to `mark()` and to `read()`: CUDA events on a GPU (no sync in between),
-    the host clock on a CPU, where work is synchronous."""
+    """Seconds from construction to `mark()` and to `stop()`, read later with `read()`: CUDA events on a
+    GPU (nothing waits until `read`), the host clock on a CPU, where work is synchronous."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -161,13 +174,17 @@ class _Clock:
         else:
             self.t.append(time.perf_counter())
 
-    def read(self) -> tuple[float, float]:
+    def stop(self):
         if self.cuda:
             self.events[2].record()
+        else:
+            self.t.append(time.perf_counter())
+
+    def read(self) -> tuple[float, float]:
+        if self.cuda:
             self.events[2].synchronize()
             return self.events[0].elapsed_time(self.events[1]) / 1e3, self.events[0].elapsed_time(self.events[2]) / 1e3
-        now = time.perf_counter()
-        return self.t[1] - self.t[0], now - self.t[0]
+        return self.t[1] - self.t[0], self.t[2] - self.t[0]
 
 
 def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int = 32, seed: int = 0,
