@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model.gpt import MLP, GPTConfig, norm
 from model.precision import LayerFilter, get_backend

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from model.gpt import GPT
-from model.optim import build_optimizer, orthogonalize
-from model.precision import LayerFilter, get_backend
+from model.optim import orthogonalize
+from model.precision import LayerFilter
 from model.precision.base import compile_model
-from pipeline.probe import expand_entries, markov_tokens, model_config
+from pipeline.probe import build_under, expand_entries, markov_tokens, model_config
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -129,14 +129,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:
     from torch.nn.attention import sdpa_kernel
     name, opts, attn, layer_filter = parse_variant(v)
     dev = torch.device("cuda")
-    backend = get_backend(name, opts, layer_filter)
-    backend.check(dev)
-    torch.manual_seed(seed)
-    with torch.device(dev):
-        model = GPT(cfg)
-    model.init_weights(seed=seed)
-    model = backend.convert(model)
-    opt = build_optimizer(model, 0.02, 0.2, 0.004)
+    backend, model, opt = build_under(name, opts, layer_filter, cfg, seed, dev)
     regional = backend.compile_regions or attn == "regional"
     run = compile_model(model, regional) if backend.supports_compile else model
     x, y = data[:batch, :-1].contiguous(), data[:batch, 1:].contiguous()
@@ -176,9 +169,6 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:
         f"peak {peak:5.1f} GiB  compile {compile_s:5.0f} s")
     if profile:
         log("    " + "  ".join(f"{k}: {ms:.1f}" for k, ms in sorted(res["breakdown_ms"].items(), key=lambda kv: -kv[1])))
-    del run, model, opt
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
     return res
 
 
@@ -213,8 +203,8 @@ def main(argv=None):
         except Exception as e:
             log(f"{v}: FAILED {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+        torch._dynamo.reset()  # the variant's model is gone with run_variant's frame: free its memory
+        torch.cuda.empty_cache()
         if i == 0 and "error" not in rows[-1]:
             torch.manual_seed(0)
             with torch.device("cuda"):

@@ -91,7 +91,8 @@ def expand_entries(backends, te_recipes) -> list[tuple[str, dict]]:
     return out
 
 
-def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_filter, lrs, log):
+def build_under(name, opts, layer_filter, cfg, seed, device, lrs=(0.02, 0.2, 0.004)):
+    """(backend, model, optimizer): the same seeded model for every backend, converted by this one."""
     backend = get_backend(name, opts, layer_filter)
     backend.check(device)
     torch.manual_seed(seed)
@@ -99,7 +100,11 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
         model = GPT(cfg)
     model.init_weights(seed=seed)
     model = backend.convert(model)
-    opt = build_optimizer(model, *lrs)
+    return backend, model, build_optimizer(model, *lrs)
+
+
+def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_filter, lrs, log):
+    backend, model, opt = build_under(name, opts, layer_filter, cfg, seed, device, lrs)
     describe = backend.describe(device)
     log("  " + describe)
     compiled = compile_ and device.type == "cuda" and backend.supports_compile

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import formats as fm
 from .base import ConvertedLinear, LayerFilter, PrecisionBackend, low_precision_enabled, matmul_dtype, swap_linears

@@ -13,7 +13,6 @@ On Hopper it refuses; `nvfp4-emulated` shows its effect on the loss there.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from .emulated import Nvfp4EmulatedBackend, skip_last_blocks
