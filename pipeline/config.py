@@ -104,6 +104,10 @@ class TokenizerParams:
 class Fp8Params:
     fast_accum: str = "forward"
     """torch._scaled_mm fast accumulation: forward (only the forward GEMM) | all | none."""
+    scaling: str = "dynamic"
+    """dynamic (each tensor by its own amax) | delayed (activations, gradients by the last steps' amax)."""
+    amax_history_len: int = 16
+    """delayed scaling: how many steps of amax the scale looks back over."""
 
 
 @dataclass
@@ -155,6 +159,8 @@ class PrecisionParams:
         _choice(self.te_recipe, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipe")
         _choice(self.te_modules, ("linear", "fused"), f"{key}.te_modules")
         _choice(self.fp8.fast_accum, ("forward", "all", "none"), f"{key}.fp8.fast_accum")
+        _choice(self.fp8.scaling, ("dynamic", "delayed"), f"{key}.fp8.scaling")
+        _positive(self.fp8, f"{key}.fp8", "amax_history_len")
         _positive(self.layer_filter, f"{key}.layer_filter", "dim_multiple")
         if self.nvfp4.bf16_last_blocks < 0:
             raise ConfigError(f"{key}.nvfp4.bf16_last_blocks must be >= 0")

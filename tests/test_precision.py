@@ -98,6 +98,8 @@ def test_bad_options_fail_up_front():
         get_backend("nvfp4-emulated", {"hadamard": True})
     with pytest.raises(ValueError, match="unknown precision backend"):
         get_backend("int4")
+    with pytest.raises(ValueError, match="fp8.scaling"):
+        get_backend("fp8", {"scaling": "lazy"})
 
 
 def test_auto_on_cpu_picks_bf16(tmp_path):
@@ -243,7 +245,7 @@ def test_fp8_scaled_mm_matches_emulation():
     assert a.weight is lin.weight  # same Parameter: names and optimizer unaffected
 
 
-RUNNABLE = [n for n in BACKENDS if n not in ("te-fp8", "te-nvfp4", "auto")] + ["auto"]
+RUNNABLE = [n for n in BACKENDS if n not in ("te-fp8", "te-nvfp4", "auto")] + ["auto", "fp8:delayed"]
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
@@ -256,6 +258,8 @@ def test_training_reduces_loss(name, tmp_path):
     opts = {"bf16_last_blocks": 0} if name == "nvfp4-emulated" else {}
     if name == "auto":
         opts = {"probe_file": str(tmp_path / "probe.json")}
+    if name == "fp8:delayed":
+        name, opts = "fp8", {"scaling": "delayed"}
     be = get_backend(name, opts, LayerFilter())
     be.check(CPU)
     model = be.convert(model)
@@ -359,3 +363,41 @@ def test_bench_heads_last_attention_is_the_same_function():
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     ref = model(x, y)
     torch.testing.assert_close(heads_last(model)(x, y), ref, rtol=1e-5, atol=1e-6)
+
+
+def _delayed_linear(history_len=4):
+    from model.precision.fp8 import Fp8Linear
+    torch.manual_seed(0)
+    return Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False), history_len=history_len)
+
+
+def test_fp8_delayed_scaling_uses_the_last_steps_amax():
+    """Step 1 scales by its own amax and starts the histories; later steps scale by the histories' max
+    (so a tensor larger than before saturates) and record their own amax."""
+    from model.precision.formats import E4M3, cast_fp8
+    lin = _delayed_linear()
+    x1, x2 = torch.randn(8, 32), 3 * torch.randn(8, 32)
+    lin(x1).sum().backward()
+    assert torch.isclose(lin.x_amax_history[0], x1.abs().amax()) and lin.x_amax_history[1:].eq(0).all()
+    assert lin.g_amax_history[0] == 1.0  # d(sum)/dy = 1 everywhere
+    y2 = lin(x2)
+    assert torch.isclose(lin.x_amax_history[0], x2.abs().amax()) and torch.isclose(lin.x_amax_history[1], x1.abs().amax())
+    xq, xs = cast_fp8(x2, E4M3, x1.abs().amax())  # the scale of step 1, so x2's largest values saturate
+    wq, ws = cast_fp8(lin.weight, E4M3, lin.weight.abs().amax())
+    torch.testing.assert_close(y2, (xq.float() * xs) @ (wq.float() * ws).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_delayed_scaling_under_torch_compile():
+    """Compiled, the histories (one updated inside backward) advance exactly as in eager mode."""
+    eager_lin, comp_lin = _delayed_linear(), _delayed_linear()
+    run = torch.compile(comp_lin)
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 32) * (step + 1)
+        g = torch.randn(8, 16) * (step + 1)
+        eager_lin(x).backward(g)
+        run(x).backward(g)
+    torch.testing.assert_close(comp_lin.x_amax_history, eager_lin.x_amax_history)
+    torch.testing.assert_close(comp_lin.g_amax_history, eager_lin.g_amax_history)
+    assert comp_lin.g_amax_history[2] > 0
+    torch.testing.assert_close(comp_lin.weight.grad, eager_lin.weight.grad, rtol=1e-4, atol=1e-4)

@@ -48,16 +48,17 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def tensor_scale(x: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """FP32 scale s with amax(x) * s == fmt_max (per-tensor dynamic scaling)."""
-    amax = x.detach().abs().amax().float()
-    return fmt_max / amax.clamp(min=AMAX_FLOOR)
-
-
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in `dtype`, inverse scale) such that x ~= q.float() * inv_scale."""
+    return cast_fp8(x, dtype, x.detach().abs().amax().float())
+
+
+def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale so that `amax` lands on the format's largest value, saturate, cast: (q, inverse scale).
+    With amax = amax(x) this is per-tensor dynamic scaling; delayed scaling passes an amax from
+    earlier steps, and values beyond it saturate."""
     fmax = fp8_max(dtype)
-    s = tensor_scale(x, fmax)
+    s = fmax / amax.float().clamp(min=AMAX_FLOOR)
     q = (x.float() * s).clamp(-fmax, fmax).to(dtype)
     return q, s.reciprocal()
 

@@ -21,6 +21,12 @@ scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multip
 `use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only by default
 (`fast_accum: forward`); gradients accumulate at full precision (`none` / `all` to change).
 
+Delayed scaling (`scaling: delayed`, off by default). Dynamic scaling must finish a pass over a tensor
+(its amax) before the cast can start: two passes. With delayed scaling the activation and gradient scales
+come from the largest amax of the last `amax_history_len` steps, and this step's amax is recorded in the
+same pass as the cast. On the H200 those amax passes were a large part of the cast cost
+(bench/results/README.md). The first step (and the first after a resume) scales dynamically.
+
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.
 """
@@ -31,9 +37,10 @@ import torch.nn as nn
 
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
-from .formats import E4M3, E5M2, quantize_fp8
+from .formats import E4M3, E5M2, cast_fp8, quantize_fp8
 
 FAST_ACCUM = ("forward", "all", "none")
+SCALING = ("dynamic", "delayed")
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -41,16 +48,32 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().float()
+
+
+def _scale_source(t: torch.Tensor, history: torch.Tensor | None, use_history: bool) -> torch.Tensor:
+    """The amax a tensor is scaled by: its own (dynamic), or the largest of the last steps' (delayed).
+    Delayed scaling records this step's amax for later, so the cast needs no pass over the tensor
+    before it: compiled, the amax and the cast are one kernel."""
+    if history is None:
+        return _amax(t)
+    current = _amax(t)
+    source = history.amax() if use_history else current
+    history.copy_(torch.cat([current.reshape(1), history[:-1]]))
+    return source
+
+
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd):
+    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_fp8(x2, E4M3)
-        wq, ws = quantize_fp8(w, E4M3)
+        xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, x_hist, use_history))
+        wq, ws = quantize_fp8(w, E4M3)  # weights: always this step's amax (a small tensor, cheap)
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         # keep the FP8 copies for backward: a quarter of the bf16 activation memory
         ctx.save_for_backward(xq, xs, wq, ws)
-        ctx.fast_bwd = fast_bwd
+        ctx.fast_bwd, ctx.g_hist, ctx.use_history = fast_bwd, g_hist, use_history
         ctx.dtypes = (x.dtype, w.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -59,37 +82,62 @@ class _Fp8Matmul(torch.autograd.Function):
         xq, xs, wq, ws = ctx.saved_tensors
         xdt, wdt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
-        gq, gs = quantize_fp8(g2, E5M2)
+        gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, ctx.g_hist, ctx.use_history))
         gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
         gw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs,
                               out_dtype=torch.float32, use_fast_accum=ctx.fast_bwd)
-        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None
+        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None, None, None, None
 
 
 class Fp8Linear(ConvertedLinear):
     fast_fwd, fast_bwd = True, False
+    history_len = 0  # > 0: delayed scaling of activations and gradients over this many steps
+
+    def configure(self, **kwargs) -> None:
+        super().configure(**kwargs)
+        if self.history_len:
+            # amax histories of the input and of the output gradient; not in checkpoints (a resumed run
+            # scales its first step dynamically again, as a fresh one does)
+            dev = self.weight.device
+            self.register_buffer("x_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
+            self.register_buffer("g_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
+            self.calibrated = False
 
     def forward(self, x):
         if not low_precision_enabled():
             return super().forward(x)
-        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd)
+        if self.history_len:
+            hists, use_history = (self.x_amax_history, self.g_amax_history), self.calibrated
+            self.calibrated = True  # the first step scales dynamically and starts the histories
+        else:
+            hists, use_history = (None, None), False
+        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *hists, use_history)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class Fp8Backend(PrecisionBackend):
-    """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none."""
+    """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none; scaling = dynamic
+    (default: each tensor by its own amax) | delayed (activations and gradients by the largest amax of
+    the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic)."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
+    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16}
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
-        unknown = set(self.options) - {"fast_accum"}
+        unknown = set(self.options) - set(self.OPTIONS)
         if unknown:
-            raise ValueError(f"unknown fp8 option(s) {sorted(unknown)}; known: ['fast_accum']")
-        self.fast_accum = self.options.get("fast_accum", "forward")
+            raise ValueError(f"unknown fp8 option(s) {sorted(unknown)}; known: {sorted(self.OPTIONS)}")
+        cfg = {**self.OPTIONS, **self.options}
+        self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
+        self.history_len = int(cfg["amax_history_len"])
         if self.fast_accum not in FAST_ACCUM:
             raise ValueError(f"precision.fp8.fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
+        if self.scaling not in SCALING:
+            raise ValueError(f"precision.fp8.scaling must be one of {SCALING}, got {self.scaling!r}")
+        if self.history_len < 1:
+            raise ValueError(f"precision.fp8.amax_history_len must be >= 1, got {self.history_len}")
 
     def unavailable_reason(self, device):
         device = torch.device(device)
@@ -114,11 +162,12 @@ class Fp8Backend(PrecisionBackend):
 
     @property
     def label(self) -> str:
-        return self.name if self.fast_accum == "forward" else f"{self.name}[fast_accum={self.fast_accum}]"
+        opts = [f"fast_accum={self.fast_accum}"] if self.fast_accum != "forward" else []
+        opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
+        return f"{self.name}[{','.join(opts)}]" if opts else self.name
 
     def convert(self, model: nn.Module) -> nn.Module:
-        fast_fwd = self.fast_accum in ("forward", "all")
-        fast_bwd = self.fast_accum == "all"
-        self.converted = swap_linears(model, self.layer_filter,
-                                      lambda lin: Fp8Linear.from_linear(lin, fast_fwd=fast_fwd, fast_bwd=fast_bwd))
+        kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
+                  history_len=self.history_len if self.scaling == "delayed" else 0)
+        self.converted = swap_linears(model, self.layer_filter, lambda lin: Fp8Linear.from_linear(lin, **kw))
         return model
