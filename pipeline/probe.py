@@ -32,7 +32,7 @@ from model.optim import build_optimizer
 from model.precision import BACKENDS, LayerFilter, get_backend
 from model.precision.base import compile_model, describe_device
 
-DEFAULT_BACKENDS = ["bf16", "fp8", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"]
+DEFAULT_BACKENDS = ["bf16", "fp8", "fp8:scaling=delayed", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"]
 DEFAULT_TE_RECIPES = ["delayed", "current", "block", "mxfp8"]
 
 
