@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from model.gpt import GPT, apply_rope, norm
 from model.optim import orthogonalize
 from model.precision import LayerFilter
+from model.precision.te_fp8 import TEFp8Backend
 from model.precision.base import compile_model
 from pipeline.probe import build_under, expand_entries, markov_tokens, model_config
 
@@ -155,7 +156,7 @@ def kernel_breakdown(fn) -> tuple[dict, list]:
 
 def parse_variant(v: str):
     spec, _, attn = v.partition("@")
-    ((name, opts),) = expand_entries([spec], ["current"])
+    ((name, opts),) = expand_entries([spec], [TEFp8Backend.DEFAULTS["recipe"]])
     skip = opts.pop("skip", "lm_head")  # layer filter: fp8:skip=lm_head+attn keeps attention in bf16
     return name, opts, attn or "default", LayerFilter(16, skip.split("+"))
 
@@ -167,7 +168,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:
     backend, model, opt = build_under(name, opts, layer_filter, cfg, seed, dev)
     if attn == "bthd":
         heads_last(model)
-    regional = backend.compile_regions or attn == "regional"
+    regional = backend.supports_compile and (backend.compile_regions or attn == "regional")
     run = compile_model(model, regional) if backend.supports_compile else model
     x, y = data[:batch, :-1].contiguous(), data[:batch, 1:].contiguous()
     attn_ctx = (lambda: sdpa_kernel([sdpa_backend(attn)])) if attn in ATTENTION else None

@@ -266,7 +266,7 @@ def merge_probes(outs: list[dict]) -> dict:
     """One probe from several runs of the same configuration on the same device (e.g. bf16 and fp8 in
     one process, the TE recipes in another); a backend probed twice keeps its last result."""
     first = outs[0]
-    keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data")
+    keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data", "peak_tflops")
     for o in outs[1:]:
         if o["device"] != first["device"]:
             raise ValueError(f"cannot merge probes of different devices: {first['device']!r} and {o['device']!r}")
@@ -276,7 +276,9 @@ def merge_probes(outs: list[dict]) -> dict:
     results: dict[str, dict] = {}
     for o in outs:
         for r in o["results"]:
-            results[r["label"]] = r
+            if r["ran"] or r["label"] not in results:  # a failed or refused row never hides a result
+                r = {k: v for k, v in r.items() if k not in ("loss_diff_pct", "speedup")}
+                results[r["label"]] = r
     merged = dict(first, te=next((o["te"] for o in outs if o.get("te")), None),
                   torch=", ".join(sorted({o["torch"] for o in outs})), results=list(results.values()))
     compare_to_bf16(merged["results"])

@@ -189,6 +189,8 @@ def train(stage: str, p: Params) -> dict:
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
     ckpt, msg = load_checkpoint(ckpt_path, fp)
+    if ckpt is not None and any(k.endswith("attn.c_q.weight") for k in ckpt["model"]):
+        ckpt, msg = None, f"{ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
     start_step, history = 0, {}
     if ckpt is not None:
         model.load_state_dict(ckpt["model"], strict=False)

@@ -319,6 +319,12 @@ def test_probe_merge(tmp_path):
     merged = json.loads((tmp_path / "m/probe.json").read_text())
     rows = {r["label"]: r for r in merged["results"]}
     assert set(rows) == {"bf16", "fp8-emulated"} and rows["fp8-emulated"]["speedup"] > 0
+    # a row that failed or was refused in a later run does not hide the earlier result
+    from pipeline.probe import merge_probes
+    failed = json.loads((tmp_path / "b/probe.json").read_text())
+    failed["results"][0].update(ran=False, error="RuntimeError: out of memory")
+    again = merge_probes([merged, failed])
+    assert {r["label"]: r["ran"] for r in again["results"]} == {"bf16": True, "fp8-emulated": True}
     run_probe(backends=["bf16"], out_dir=str(tmp_path / "c"), **{**kw, "steps": 3})
     with pytest.raises(ValueError, match="different steps"):
         probe_main(["--merge", str(tmp_path / "a/probe.json"), str(tmp_path / "c/probe.json"), "--out", str(tmp_path / "x")])
@@ -401,3 +407,20 @@ def test_fp8_delayed_scaling_under_torch_compile():
     torch.testing.assert_close(comp_lin.g_amax_history, eager_lin.g_amax_history)
     assert comp_lin.g_amax_history[2] > 0
     torch.testing.assert_close(comp_lin.weight.grad, eager_lin.weight.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_delayed_scaling_after_a_zero_gradient_and_eval():
+    """A zero gradient at step 1 (zero-initialised projections do that) must not zero the next step's
+    gradient, and a no-grad (evaluation) forward must leave the histories alone."""
+    lin = _delayed_linear()
+    x = torch.randn(8, 32)
+    lin(x).backward(torch.zeros(8, 16))
+    with torch.no_grad():
+        lin(10 * x)
+    assert torch.isclose(lin.x_amax_history[0], x.abs().amax()) and lin.x_amax_history[1] == 0
+    lin.weight.grad = None
+    g = torch.randn(8, 16)
+    lin(x).backward(g)
+    ref = g.t() @ x
+    rel = (lin.weight.grad - ref).norm() / ref.norm()
+    assert rel < 0.15, rel  # e5m2 at scale 1 for one step, e4m3 activations
