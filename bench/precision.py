@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -21,21 +22,11 @@ import torch.nn as nn
 from model.gpt import MLP, GPTConfig, norm
 from model.precision import LayerFilter, get_backend
 
+from .train_step import cuda_time
+
 
 def _time(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(cuda_time(fn, iters, warmup))
 
 
 class _MLP(nn.Module):

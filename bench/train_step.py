@@ -15,6 +15,7 @@ and, before the models, every SDPA attention kernel alone (forward + backward at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -171,15 +172,10 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:
     regional = backend.supports_compile and (backend.compile_regions or attn == "regional")
     run = compile_model(model, regional) if backend.supports_compile else model
     x, y = data[:batch, :-1].contiguous(), data[:batch, 1:].contiguous()
-    attn_ctx = (lambda: sdpa_kernel([sdpa_backend(attn)])) if attn in ATTENTION else None
-
     def micro():
-        if attn_ctx:
-            with attn_ctx(), backend.autocast(dev):
-                loss = run(x, y)
-        else:
-            with backend.autocast(dev):
-                loss = run(x, y)
+        kernel = sdpa_kernel([sdpa_backend(attn)]) if attn in ATTENTION else contextlib.nullcontext()
+        with kernel, backend.autocast(dev):
+            loss = run(x, y)
         loss.backward()
         return loss
 

@@ -174,14 +174,14 @@ class _Clock:
             self.t = [time.perf_counter()]
 
     def mark(self):
-        if self.cuda:
-            self.events[1].record()
-        else:
-            self.t.append(time.perf_counter())
+        self._record(1)
 
     def stop(self):
+        self._record(2)
+
+    def _record(self, i: int):
         if self.cuda:
-            self.events[2].record()
+            self.events[i].record()
         else:
             self.t.append(time.perf_counter())
 
@@ -264,7 +264,7 @@ def write_probe(out: dict, out_dir: str) -> None:
 
 def merge_probes(outs: list[dict]) -> dict:
     """One probe from several runs of the same configuration on the same device (e.g. bf16 and fp8 in
-    one process, the TE recipes in another); a backend probed twice keeps its last result."""
+    one process, the TE recipes in another); a backend probed twice keeps its last result that ran."""
     first = outs[0]
     keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data", "peak_tflops")
     for o in outs[1:]:

@@ -50,7 +50,12 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in `dtype`, inverse scale) such that x ~= q.float() * inv_scale."""
-    return cast_fp8(x, dtype, x.detach().abs().amax().float())
+    return cast_fp8(x, dtype, amax(x))
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of x, as an FP32 scalar tensor (no gradient)."""
+    return x.detach().abs().amax().float()
 
 
 def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

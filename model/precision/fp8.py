@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
-from .formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, cast_fp8, quantize_fp8
+from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, quantize_fp8
 
 FAST_ACCUM = ("forward", "all", "none")
 SCALING = ("dynamic", "delayed")
@@ -48,22 +48,18 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()
-
-
-def _scale_source(t: torch.Tensor, fmt_max: float, history: torch.Tensor | None, use_history: bool) -> torch.Tensor:
+def _scale_source(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool) -> torch.Tensor:
     """The amax a tensor is scaled by: its own (dynamic), or the largest of the last steps' (delayed).
     Delayed scaling records this step's amax for later, so the cast needs no pass over the tensor
     before it: compiled, the amax and the cast are one kernel. A history of zeros (a gradient that was
     exactly zero, as behind a zero-initialised projection at step 1) gives scale 1, as TE does: falling
     back to this step's own amax instead would bring the extra pass back."""
-    current = _amax(t)
+    current = amax(t)
     if history is None or not use_history:
         source = current
     else:
         past = history.amax()
-        source = torch.where(past > 0, past, torch.full_like(past, fmt_max))
+        source = torch.where(past > 0, past, torch.full_like(past, fp8_max(dtype)))
     if history is not None:
         history.copy_(torch.cat([current.reshape(1), history[:-1]]))
     return source
@@ -73,7 +69,7 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, E4M3_MAX, x_hist, use_history))
+        xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, E4M3, x_hist, use_history))
         wq, ws = quantize_fp8(w, E4M3)  # weights: always this step's amax (a small tensor, cheap)
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         # keep the FP8 copies for backward: a quarter of the bf16 activation memory
@@ -87,7 +83,7 @@ class _Fp8Matmul(torch.autograd.Function):
         xq, xs, wq, ws = ctx.saved_tensors
         xdt, wdt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
-        gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, E5M2_MAX, ctx.g_hist, ctx.use_history))
+        gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history))
         gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
         gw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs,
