@@ -110,8 +110,9 @@ def skip_last_blocks(layer_filter: LayerFilter, model: nn.Module, n: int) -> Lay
 
 
 # Emulated quantisation is a long chain of elementwise ops per Linear: compiling the whole model took
-# 323 s for nvfp4-emulated at d20 on the H200. Block by block compiles one block's chain once (on a
-# 2-core CPU at depth 6: 146 s -> 39 s); speed is not what these backends are for.
+# 323 s for nvfp4-emulated at d20 on the H200. Block by block compiles one block's chain once
+# (`python -m bench.compile_time`, 2-core CPU, depth 6: 132.5 s -> 40.4 s); speed is not what these
+# backends are for.
 class Fp8EmulatedBackend(PrecisionBackend):
     name = "fp8-emulated"
     emulated = True
