@@ -1,8 +1,7 @@
 """Where a training step's time goes, per precision backend, as ratios against bf16 in the same run.
 
 For each variant on the same model, seed and tokens, written backend[:key=value,...][@modifier] with the
-modifier one of: an SDPA kernel (flash, cudnn, efficient, math); `regional` (compile block by block);
-`bthd` (the experiment below):
+modifier one of: an SDPA kernel (flash, cudnn, efficient, math) or `regional` (compile block by block):
   - micro-step: forward + backward of one `batch x seq_len` micro-batch, compiled, median of CUDA-event
     timings after warm-up (this is what precision changes; the optimizer is the same for every backend);
   - optimizer step (Muon + AdamW), and on the first variant the one-matrix-at-a-time Muon for reference;
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model.gpt import GPT, apply_rope, norm
+from model.gpt import GPT
 from model.optim import orthogonalize
 from model.precision import LayerFilter
 from model.precision.te_fp8 import TEFp8Backend
@@ -34,39 +33,6 @@ from pipeline.probe import build_under, expand_entries, markov_tokens, model_con
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
-
-
-class HeadsLastAttention(torch.nn.Module):
-    """Experiment `@bthd`: the model's attention with RoPE and QK-norm applied in (batch, time, heads, dim)
-    layout, transposing only for SDPA. Same function as model.gpt.Attention (tested); the question is
-    whether the compiler then writes the fused q/k/v gradient in place of the separate transposing copy
-    that the profile shows (21.5 ms of a bf16 micro-step at d20)."""
-
-    def __init__(self, attn):
-        super().__init__()
-        self.attn = attn
-
-    def forward(self, x, cos, sin, cache=None, positions=None):
-        if cache is not None:
-            return self.attn(x, cos, sin, cache, positions)
-        a = self.attn
-        B, T, _ = x.shape
-        q, k, v = a.c_qkv(x).split(a.qkv_rows, dim=-1)
-        q = q.reshape(B, T, a.n_head, a.head_dim)
-        k = k.reshape(B, T, a.n_kv_head, a.head_dim)
-        v = v.reshape(B, T, a.n_kv_head, a.head_dim)
-        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (1, T, 1, D/2)
-        q, k = norm(apply_rope(q, cos, sin)), norm(apply_rope(k, cos, sin))
-        gqa = {"enable_gqa": True} if a.n_kv_head != a.n_head else {}
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, **gqa)
-        return a.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-def heads_last(model):
-    for block in model.blocks:
-        block.attn = HeadsLastAttention(block.attn)
-    return model
 
 
 def sdpa_backend(name: str):
@@ -167,8 +133,6 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:
     name, opts, attn, layer_filter = parse_variant(v)
     dev = torch.device("cuda")
     backend, model, opt = build_under(name, opts, layer_filter, cfg, seed, dev)
-    if attn == "bthd":
-        heads_last(model)
     regional = backend.supports_compile and (backend.compile_regions or attn == "regional")
     run = compile_model(model, regional) if backend.supports_compile else model
     x, y = data[:batch, :-1].contiguous(), data[:batch, 1:].contiguous()

@@ -357,20 +357,6 @@ def test_options_from_params():
         get_backend(name, options_from_params(name, prec))  # every section is accepted by its backend
 
 
-def test_bench_heads_last_attention_is_the_same_function():
-    """bench/train_step.py's `@bthd` experiment must compute exactly what the model's attention does."""
-    from bench.train_step import heads_last
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, seq_len=16)
-    model = GPT(cfg)
-    model.init_weights(seed=0)
-    for block in model.blocks:  # init zeroes the output projections: make attention count
-        block.attn.c_proj.weight.data.normal_(0, 0.1)
-    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    ref = model(x, y)
-    torch.testing.assert_close(heads_last(model)(x, y), ref, rtol=1e-5, atol=1e-6)
-
-
 def _delayed_linear(history_len=4):
     from model.precision.fp8 import Fp8Linear
     torch.manual_seed(0)
