@@ -270,6 +270,9 @@ def train(stage: str, p: Params) -> dict:
     if rank == 0:
         save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **metrics})
         write_json(Path(f"artifacts/{stage}/metrics.json"), metrics)
+        # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
+        # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
+        ckpt_path.unlink(missing_ok=True)
         log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
     if world > 1:
         dist.destroy_process_group()

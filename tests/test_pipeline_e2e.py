@@ -115,3 +115,4 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert got["steps"] == want["steps"]
     assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-3)
     assert got["val_bpb"] == pytest.approx(want["val_bpb"], abs=1e-3)
+    assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
