@@ -29,7 +29,7 @@ from model.optim import orthogonalize
 from model.precision import LayerFilter
 from model.precision.te_fp8 import TEFp8Backend
 from model.precision.base import compile_model
-from pipeline.probe import build_under, expand_entries, markov_tokens, model_config
+from pipeline.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -124,8 +124,9 @@ def kernel_breakdown(fn) -> tuple[dict, list]:
 def parse_variant(v: str):
     spec, _, attn = v.partition("@")
     ((name, opts),) = expand_entries([spec], [TEFp8Backend.DEFAULTS["recipe"]])
-    skip = opts.pop("skip", "lm_head")  # layer filter: fp8:skip=lm_head+attn keeps attention in bf16
-    return name, opts, attn or "default", LayerFilter(16, skip.split("+"))
+    # layer filter: fp8:skip=lm_head+attn.c_proj keeps those in bf16, fp8:skip= converts the head too
+    opts, layer_filter, _ = entry_filter(opts, LayerFilter())
+    return name, opts, attn or "default", layer_filter
 
 
 def run_variant(v, cfg, data, batch, iters, profile, seed, log) -> dict:

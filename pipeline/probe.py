@@ -91,6 +91,17 @@ def expand_entries(backends, te_recipes) -> list[tuple[str, dict]]:
     return out
 
 
+def entry_filter(opts: dict, default: LayerFilter) -> tuple[dict, LayerFilter, str]:
+    """An entry's own layer filter: option `skip=a+b` replaces the default skip list for this entry only
+    (`skip=` converts every layer, the head too, as nanochat's fp8 does). Returns (backend options,
+    filter, label suffix)."""
+    if "skip" not in opts:
+        return opts, default, ""
+    opts = dict(opts)
+    names = [s for s in str(opts.pop("skip")).split("+") if s]
+    return opts, LayerFilter(default.dim_multiple, names), f"[skip={'+'.join(names) or 'none'}]"
+
+
 def build_under(name, opts, layer_filter, cfg, seed, device, lrs=(0.02, 0.2, 0.004)):
     """(backend, model, optimizer): the same seeded model for every backend, converted by this one."""
     backend = get_backend(name, opts, layer_filter)
@@ -210,16 +221,18 @@ def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int
     flops = GPT.flops_per_token(type("M", (), {"config": cfg})())
     results = []
     for name, opts in entries:
-        be = get_backend(name, opts, layer_filter)
-        row = dict(backend=name, options=opts, label=be.label, emulated=bool(be.emulated))
+        entry_opts, entry_lf, suffix = entry_filter(opts, layer_filter)
+        be = get_backend(name, entry_opts, entry_lf)
+        row = dict(backend=name, options=opts, label=be.label + suffix, emulated=bool(be.emulated))
         reason = be.unavailable_reason(dev)
         row["available"] = reason is None
         row["reason"] = reason
         row["ran"] = False
-        log(f"- {be.label}: {'available' if reason is None else 'NOT available: ' + reason}")
+        log(f"- {row['label']}: {'available' if reason is None else 'NOT available: ' + reason}")
         if reason is None:
             try:
-                row.update(_train(name, opts, cfg, data, steps, batch, seed, dev, compile, layer_filter, lrs, log))
+                row.update(_train(name, entry_opts, cfg, data, steps, batch, seed, dev, compile, entry_lf, lrs, log),
+                           label=row["label"])
                 row["ran"] = True
                 row["mfu"] = flops * row["tokens_per_s"] / (peak_tflops * 1e12) if dev.type == "cuda" else None
             except Exception as e:  # record, keep probing the others
@@ -293,8 +306,8 @@ def _te_version():
         return None
 
 
-def _f(v, fmt):
-    return "" if v is None else format(v, fmt)
+def _f(v, fmt, unit=""):
+    return "" if v is None else format(v, fmt) + unit
 
 
 def to_markdown(out: dict) -> str:
@@ -314,8 +327,8 @@ def to_markdown(out: dict) -> str:
         elif not r["ran"]:
             lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | | |")
         else:
-            lines.append(f"| {label} | yes | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f')}% | "
-                         f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f')}x | {_f(r.get('mfu') and 100 * r['mfu'], '.1f')}{'%' if r.get('mfu') else ''} | "
+            lines.append(f"| {label} | yes | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
+                         f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f', 'x')} | {_f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | "
                          f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) |")
     return "\n".join(lines) + "\n"
 

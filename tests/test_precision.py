@@ -330,6 +330,32 @@ def test_probe_merge(tmp_path):
         probe_main(["--merge", str(tmp_path / "a/probe.json"), str(tmp_path / "c/probe.json"), "--out", str(tmp_path / "x")])
 
 
+def test_probe_entry_layer_filter(tmp_path):
+    """`fp8:skip=` converts every Linear, the head too (as nanochat's fp8 does), for that entry only;
+    auto never picks such an entry, since the run would convert other layers."""
+    import json
+
+    from pipeline.probe import run_probe
+    logs = []
+    out = run_probe(steps=2, depth=1, seq_len=16, batch=2, vocab=64, backends=["fp8", "fp8:skip="],
+                    device="cpu", out_dir=str(tmp_path), log=lambda *a: logs.append(" ".join(map(str, a))))
+    rows = {r["label"]: r for r in out["results"]}
+    assert set(rows) == {"fp8", "fp8[skip=none]"} and all(r["ran"] for r in rows.values())
+    assert any("4 Linear layers converted" in line for line in logs)  # c_qkv, c_proj, c_fc, c_proj
+    assert any("5 Linear layers converted" in line for line in logs)  # ... and lm_head
+    # no bf16 in this run: the comparison cells stay empty rather than a bare "%" or "x"
+    md = (tmp_path / "probe.md").read_text()
+    assert "| % |" not in md and "| x |" not in md
+    # auto leaves the per-entry-filter row out even when it is the fastest
+    data = json.loads((tmp_path / "probe.json").read_text())
+    for r in data["results"]:
+        r.update(loss_diff_pct=0.0, tokens_per_s=2.0 if "skip" in r["options"] else 1.0)
+    (tmp_path / "probe.json").write_text(json.dumps(data))
+    be = get_backend("auto", {"probe_file": str(tmp_path / "probe.json")})
+    pick, _ = be._from_probe(CPU)
+    assert pick == ("fp8", {})
+
+
 def test_te_wrapper_hands_te_the_autocast_dtype():
     """TE modules run eagerly behind a wrapper that casts their input to the autocast dtype on the
     compiled side; the wrapper is generic, so a plain Linear stands in for the TE module here."""

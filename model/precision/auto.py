@@ -4,9 +4,11 @@ Choice, in order:
 1. A probe.json (from `sparkchat probe`; path in params `precision.auto.probe_file`) measured on a GPU
    of the same name and compute capability: the highest tokens/s among entries that ran, are not
    emulated, and whose loss stayed within `max_loss_diff_pct` (default 1%) of bf16; its options too.
+   Entries probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers
+   than the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, which is what the
-   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03): fp8 first (1.12x bf16), then
-   te-fp8 with delayed scaling (1.10x), then bf16. NVFP4 is never chosen without a probe (its loss needs checking first).
+   probe measured on an H200 at d20 (bench/results/): fp8 first (1.11x bf16), then te-fp8 with delayed
+   scaling (1.10x), then bf16. NVFP4 is never chosen without a probe (its loss needs checking first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ class AutoBackend(PrecisionBackend):
         if data.get("device") != here:
             return None, f"{path} was measured on {data.get('device')!r}, this is {here!r}"
         ok = [r for r in data.get("results", [])
-              if r.get("ran") and not r.get("emulated") and r.get("tokens_per_s")
+              if r.get("ran") and not r.get("emulated") and r.get("tokens_per_s") and "skip" not in (r.get("options") or {})
               and r.get("loss_diff_pct") is not None and abs(r["loss_diff_pct"]) <= float(self.cfg["max_loss_diff_pct"])]
         if not ok:
             return None, f"{path} has no non-emulated backend within {self.cfg['max_loss_diff_pct']}% of bf16 loss"
