@@ -123,6 +123,8 @@ def kernel_breakdown(fn) -> tuple[dict, list]:
 
 def parse_variant(v: str):
     spec, _, attn = v.partition("@")
+    if attn and attn not in (*ATTENTION, "regional"):
+        raise ValueError(f"unknown variant modifier @{attn}; known: {[*ATTENTION, 'regional']}")
     ((name, opts),) = expand_entries([spec], [TEFp8Backend.DEFAULTS["recipe"]])
     # layer filter: fp8:skip=lm_head+attn.c_proj keeps those in bf16, fp8:skip= converts the head too
     opts, layer_filter, _ = entry_filter(opts, LayerFilter())

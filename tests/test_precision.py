@@ -436,3 +436,11 @@ def test_fp8_delayed_scaling_after_a_zero_gradient_and_eval():
     ref = g.t() @ x
     rel = (lin.weight.grad - ref).norm() / ref.norm()
     assert rel < 0.15, rel  # e5m2 at scale 1 for one step, e4m3 activations
+
+
+def test_bench_variant_modifiers():
+    """An unknown `@modifier` is refused rather than silently timing the default attention."""
+    from bench.train_step import parse_variant
+    assert parse_variant("fp8:skip=@cudnn")[2:] == ("cudnn", LayerFilter(16, []))
+    with pytest.raises(ValueError, match="unknown variant modifier @bthd"):
+        parse_variant("bf16@bthd")

@@ -3,7 +3,8 @@
 # `@bthd`, heads-last) and fp8's two scalings, plus fp8 delayed with attn.c_proj left in bf16.
 #   bash bench/gpu/layout_and_scaling.sh
 # Ran at commit b87e03e (results: bench/results/h200-d20-2026-12-03b). Heads-last then became the model's
-# layout and the `@bthd` modifier was removed, so this script is kept as the record of that run.
+# layout and the `@bthd` modifier was removed (train_step now refuses it), so this script is only the record
+# of that run.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 timeout 560 python3 -m bench.train_step --depth 20 --batch 32 --no-attention --out $OUT \
