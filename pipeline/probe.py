@@ -32,8 +32,10 @@ from model.optim import build_optimizer
 from model.precision import BACKENDS, LayerFilter, get_backend
 from model.precision.base import compile_model, describe_device
 
-DEFAULT_BACKENDS = ["bf16", "fp8", "fp8:scaling=delayed", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"]
-DEFAULT_TE_RECIPES = ["delayed", "current", "block", "mxfp8"]
+from .config import ProbeParams
+
+# one list of defaults, params.yaml's `probe:` section (pipeline/config.py)
+DEFAULT_BACKENDS, DEFAULT_TE_RECIPES = ProbeParams().backends, ProbeParams().te_recipes
 
 
 def model_config(depth: int, seq_len: int, vocab: int, head_dim: int = 128) -> GPTConfig:
@@ -162,7 +164,7 @@ def _train(name, opts, cfg, data, steps, batch, seed, device, compile_, layer_fi
     med = statistics.median(times[warm:])
     micro = statistics.median(micro_times[warm:])
     tail = losses[-min(10, len(losses)):]
-    res = dict(label=backend.label, describe=describe, emulated=bool(backend.emulated),
+    res = dict(describe=describe, emulated=bool(backend.emulated),
                converted=backend.converted, compiled=compiled,
                final_loss=sum(tail) / len(tail), last_loss=losses[-1], first_loss=losses[0],
                micro_ms=micro * 1e3, step_ms=med * 1e3, compile_s=sum(times[:warm]) - med * warm,
@@ -231,8 +233,7 @@ def run_probe(steps: int = 200, depth: int = 20, seq_len: int = 2048, batch: int
         log(f"- {row['label']}: {'available' if reason is None else 'NOT available: ' + reason}")
         if reason is None:
             try:
-                row.update(_train(name, entry_opts, cfg, data, steps, batch, seed, dev, compile, entry_lf, lrs, log),
-                           label=row["label"])
+                row.update(_train(name, entry_opts, cfg, data, steps, batch, seed, dev, compile, entry_lf, lrs, log))
                 row["ran"] = True
                 row["mfu"] = flops * row["tokens_per_s"] / (peak_tflops * 1e12) if dev.type == "cuda" else None
             except Exception as e:  # record, keep probing the others
