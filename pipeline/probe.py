@@ -18,6 +18,7 @@ peak (989 TFLOP/s dense bf16 on H100/H200 SXM by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -359,8 +360,12 @@ def main(argv=None):
         return
     kw = {}
     if a.params:
-        import yaml
-        kw.update((yaml.safe_load(Path(a.params).read_text()) or {}).get("probe") or {})
+        # through the same loader as training: a misspelt key stops here with its name, not in run_probe
+        from .config import ConfigError, load_params
+        try:
+            kw.update(dataclasses.asdict(load_params(a.params).probe))
+        except ConfigError as e:
+            raise SystemExit(f"probe: {e}") from None
     for k in ("steps", "depth", "seq_len", "batch", "seed", "vocab", "backends", "te_recipes", "tokens", "device"):
         v = getattr(a, k)
         if v is not None:

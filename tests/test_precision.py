@@ -6,6 +6,7 @@ the backends' own checks and quantisation code run for real.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from model.optim import build_optimizer
 from model.precision import BACKENDS, BackendUnavailable, LayerFilter, available_backends, get_backend
 from model.precision import base
 from model.precision import formats as fm
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -328,6 +331,27 @@ def test_probe_merge(tmp_path):
     run_probe(backends=["bf16"], out_dir=str(tmp_path / "c"), **{**kw, "steps": 3})
     with pytest.raises(ValueError, match="different steps"):
         probe_main(["--merge", str(tmp_path / "a/probe.json"), str(tmp_path / "c/probe.json"), "--out", str(tmp_path / "x")])
+
+
+def test_probe_params_file(tmp_path):
+    """`sparkchat probe --params` reads the `probe:` section through the params loader: its values are
+    used, and a misspelt key stops with the key's name before anything runs."""
+    import shutil
+
+    from pipeline.probe import main as probe_main
+    shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
+    text = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(text.replace("probe:\n  steps: 20\n  depth: 2\n  seq_len: 128\n  batch: 4\n"
+                                                       "  vocab: 2048",
+                                                       "probe:\n  steps: 2\n  depth: 1\n  seq_len: 16\n  batch: 2\n"
+                                                       "  vocab: 64"))
+    probe_main(["--params", str(tmp_path / "params.yaml"), "--backends", "bf16", "--device", "cpu",
+                "--out", str(tmp_path / "ok")])
+    assert '"steps": 2' in (tmp_path / "ok/probe.json").read_text()
+    (tmp_path / "params.yaml").write_text(text.replace("probe:\n  steps:", "probe:\n  stepz:"))
+    with pytest.raises(SystemExit, match="unknown key 'probe.stepz'"):
+        probe_main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_probe_entry_layer_filter(tmp_path):

@@ -10,7 +10,8 @@ if [ "$mode" = plain ]; then
   timeout 560 python3 -m pipeline.probe --steps 200 --depth 20 --backends ${@:-bf16 fp8} --out $OUT/probe 2>&1 \
     | grep -v -i warn | tee $OUT/probe.log
 else
-  bash /root/stage/te-install.sh /root/stage 2>&1 | grep TE_SMOKE
+  # installed once per machine: a second TE call on the still-warm machine goes straight to the probe
+  [ -f /root/stage/installed ] || { bash /root/stage/te-install.sh /root/stage 2>&1 | grep TE_SMOKE && touch /root/stage/installed; }
   # TE loads an older system cuDNN; torch's own first (shared/gpu/README.md)
   export LD_LIBRARY_PATH=$(python3 -c 'import nvidia.cudnn as c,os;print(os.path.join(list(c.__path__)[0],"lib"))')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   timeout 540 python3 -m pipeline.probe --steps 200 --depth 20 --backends "$@" --out $OUT/probe 2>&1 \
