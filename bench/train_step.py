@@ -161,8 +161,8 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
                micro_tok_s=batch * cfg.seq_len / statistics.median(micro_ms) * 1e3,
                optimizer_ms=statistics.median(opt_ms), peak_gib=peak)
     if train_steps:
-        # at init the output projections are zero, so half the backward GEMMs multiply zeros (which a
-        # GPU runs at lower power, so faster); time again once training has made every operand real
+        # at init the output projections are zero, so most of a block's GEMMs get an all-zero operand
+        # (measured faster on the H200, likely lower power and higher clocks); time again on real weights
         for _ in range(train_steps):
             opt.zero_grad(set_to_none=True)
             micro()

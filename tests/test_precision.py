@@ -303,7 +303,7 @@ def test_probe_cpu_tiny(tmp_path):
                     device="cpu", out_dir=str(tmp_path), log=lambda *_: None)
     rows = {r["label"]: r for r in out["results"]}
     assert rows["bf16"]["ran"] and rows["fp8"]["ran"] and rows["fp8"]["speedup"] > 0
-    assert not rows["te-fp8[mxfp8,linear]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,linear]"]["reason"]
+    assert not rows["te-fp8[mxfp8,fused]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,fused]"]["reason"]
     assert (tmp_path / "probe.json").is_file() and "| bf16 | yes |" in (tmp_path / "probe.md").read_text()
     # the micro-step (forward + backward) is part of the whole step (which adds the optimizer)
     assert 0 < rows["bf16"]["micro_ms"] <= rows["bf16"]["step_ms"]
