@@ -262,7 +262,7 @@ class RuntimeParams:
 class ProbeParams:
     """`sparkchat probe` / `dvc repro bench/dvc.yaml`: every backend for a few steps on this machine."""
     steps: int = 20
-    depth: int = 2
+    depth: int = 4
     seq_len: int = 128
     batch: int = 4
     vocab: int = 2048

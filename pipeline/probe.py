@@ -320,16 +320,17 @@ def to_markdown(out: dict) -> str:
              f"data {c['data']}, MFU at {c['peak_tflops']:.0f} TFLOP/s from {c['flops_per_token'] / 1e9:.2f} GFLOP/token.",
              "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the last "
              "column is the whole step with the optimizer (the same Muon + AdamW for every backend).",
-             "", "| backend | runs here | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | micro-step ms | step ms (tok/s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| backend | runs here | Linears converted | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | micro-step ms | step ms (tok/s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in out["results"]:
         label = r["label"] + (" (EMULATED)" if r["emulated"] else "")
         if not r["available"]:
-            lines.append(f"| {label} | no: {r['reason']} | | | | | | | | |")
+            lines.append(f"| {label} | no: {r['reason']} | | | | | | | | | |")
         elif not r["ran"]:
-            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | | |")
+            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | | | |")
         else:
-            lines.append(f"| {label} | yes | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
+            # the count shows a filter that left nothing to convert (say nvfp4's bf16 last blocks on a tiny model)
+            lines.append(f"| {label} | yes | {_f(r.get('converted'), 'd')} | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
                          f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f', 'x')} | {_f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | "
                          f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) |")
     return "\n".join(lines) + "\n"

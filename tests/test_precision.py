@@ -304,7 +304,8 @@ def test_probe_cpu_tiny(tmp_path):
     rows = {r["label"]: r for r in out["results"]}
     assert rows["bf16"]["ran"] and rows["fp8"]["ran"] and rows["fp8"]["speedup"] > 0
     assert not rows["te-fp8[mxfp8,fused]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,fused]"]["reason"]
-    assert (tmp_path / "probe.json").is_file() and "| bf16 | yes |" in (tmp_path / "probe.md").read_text()
+    md = (tmp_path / "probe.md").read_text()
+    assert (tmp_path / "probe.json").is_file() and "| bf16 | yes | 0 |" in md and "| fp8 | yes | 4 |" in md
     # the micro-step (forward + backward) is part of the whole step (which adds the optimizer)
     assert 0 < rows["bf16"]["micro_ms"] <= rows["bf16"]["step_ms"]
 
@@ -338,17 +339,18 @@ def test_probe_params_file(tmp_path):
     used, and a misspelt key stops with the key's name before anything runs."""
     import shutil
 
+    import yaml
+
     from pipeline.probe import main as probe_main
     shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
-    text = (ROOT / "params.yaml").read_text()
-    (tmp_path / "params.yaml").write_text(text.replace("probe:\n  steps: 20\n  depth: 2\n  seq_len: 128\n  batch: 4\n"
-                                                       "  vocab: 2048",
-                                                       "probe:\n  steps: 2\n  depth: 1\n  seq_len: 16\n  batch: 2\n"
-                                                       "  vocab: 64"))
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["probe"].update(steps=2, depth=1, seq_len=16, batch=2, vocab=64)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     probe_main(["--params", str(tmp_path / "params.yaml"), "--backends", "bf16", "--device", "cpu",
                 "--out", str(tmp_path / "ok")])
     assert '"steps": 2' in (tmp_path / "ok/probe.json").read_text()
-    (tmp_path / "params.yaml").write_text(text.replace("probe:\n  steps:", "probe:\n  stepz:"))
+    params["probe"]["stepz"] = params["probe"].pop("steps")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(SystemExit, match="unknown key 'probe.stepz'"):
         probe_main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
