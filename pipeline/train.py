@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -207,7 +208,12 @@ def train(stage: str, p: Params) -> dict:
     if use_compile:
         model = compile_model(model, backend.compile_regions)
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # no buffer sync each forward: it would hand every rank rank 0's fp8 amax histories; the backend
+        # reduces those itself (sync_ranks), and the other buffers (RoPE tables) agree already. torch
+        # 2.13 renamed the switch (forward_sync_buffers); 2.11 knows only broadcast_buffers
+        DDP = torch.nn.parallel.DistributedDataParallel
+        no_sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **{no_sync_kw: False})
     autocast = backend.autocast(device)
     tbytes = token_bytes(tok, device)
     eval_batches = max(1, t.eval_tokens // tokens_per_micro)
@@ -239,6 +245,8 @@ def train(stage: str, p: Params) -> dict:
                 loss = model(x, y)
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
+        if world > 1:
+            backend.sync_ranks(raw_model)
         if t.grad_clip:
             torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
         optimizer.step()

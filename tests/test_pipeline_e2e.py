@@ -3,16 +3,19 @@
 - `dvc repro` runs every stage and writes the final model directory, metrics and plots;
 - a second `dvc repro` does nothing;
 - changing an SFT parameter re-runs exactly sft and evaluate;
+- sft runs as two data-parallel CPU ranks under fp8 with delayed scaling;
 - pretrain killed with SIGKILL mid-run resumes from its checkpoint on the next `dvc repro` and ends
   exactly where an uninterrupted run ends.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +91,19 @@ def test_repro_noop_and_param_change(tmp_path):
     params["sft"]["matrix_lr"] = 0.003
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert ran_stages(dvc(proj, "repro").stdout) == ["sft", "evaluate"]
+
+    # the data-parallel path: sft as two CPU ranks (torchrun, gloo) under fp8 with delayed scaling,
+    # whose amax histories the backend reduces across ranks every step
+    params["runtime"]["nproc"] = 2
+    params["sft"]["backend"] = "fp8"
+    params["precision"]["fp8"]["scaling"] = "delayed"
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "pipeline.sft"], cwd=proj, env=env(), capture_output=True, text=True,
+                       timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "x 2 rank(s)" in out and "fp8[delayed,history=16]" in out and "sft: done" in out
+    assert math.isfinite(json.loads((proj / "artifacts/sft/metrics.json").read_text())["final_loss"])
 
 
 def test_kill9_during_pretrain_resumes(tmp_path):

@@ -464,6 +464,36 @@ def test_fp8_delayed_scaling_after_a_zero_gradient_and_eval():
     assert rel < 0.15, rel  # e5m2 at scale 1 for one step, e4m3 activations
 
 
+def _ranks_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    be = get_backend("fp8", {"scaling": "delayed", "amax_history_len": 4}, LayerFilter(16, []))
+    model = be.convert(torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False)))
+    torch.manual_seed(0)
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    # rank 1's activations are larger, rank 0's gradients: each history's max comes from another rank
+    model(x * (3 if rank else 1)).backward(g * (1 if rank else 5))
+    lin = model[0]
+    before = (lin.x_amax_history.clone(), lin.g_amax_history.clone())
+    be.sync_ranks(model)
+    torch.save({"before": before, "after": (lin.x_amax_history, lin.g_amax_history)}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fp8_delayed_amax_agrees_across_ranks(tmp_path):
+    """Under data parallelism every rank scales by the largest amax any rank saw (DDP no longer
+    broadcasts rank 0's histories; the backend reduces them after backward)."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_ranks_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    for i in (0, 1):  # x history, g history
+        assert not torch.equal(r0["before"][i], r1["before"][i])
+        torch.testing.assert_close(r0["after"][i], torch.maximum(r0["before"][i], r1["before"][i]))
+        torch.testing.assert_close(r1["after"][i], r0["after"][i])
+    assert r0["after"][0][0] > r0["before"][0][0] and r1["after"][1][0] > r1["before"][1][0]
+
+
 def test_bench_variant_modifiers():
     """An unknown `@modifier` is refused rather than silently timing the default attention."""
     from bench.train_step import parse_variant

@@ -108,6 +108,9 @@ class AutoBackend(PrecisionBackend):
     def autocast(self, device):
         return self.select(device).autocast(device)
 
+    def sync_ranks(self, model):
+        self.chosen.sync_ranks(model)
+
     def describe(self, device):
         chosen = self.select(device)
         return f"auto -> {chosen.label} ({self.reason}); " + chosen.describe(device)

@@ -127,6 +127,10 @@ class PrecisionBackend:
     def convert(self, model: nn.Module) -> nn.Module:
         return model
 
+    def sync_ranks(self, model: nn.Module) -> None:
+        """Once a step, after backward, under data parallelism: make per-rank state that steers the
+        numerics agree on every rank (DDP all-reduces gradients, not such state). Nothing by default."""
+
     def autocast(self, device: torch.device):
         device = torch.device(device)
         dtype = self.compute_dtype(device)

@@ -25,7 +25,8 @@ Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
 wait for this step's amax. On the H200 it bought nothing (d20 micro-step 376.6 ms against 371.8 ms
 dynamic, bench/results/README.md): compiled, Inductor already computes each dynamic amax in the same
-kernel as its cast. The first step (and the first after a resume) scales dynamically.
+kernel as its cast. The first step (and the first after a resume) scales dynamically. Under data
+parallelism the histories are reduced to their maximum over ranks every step (`sync_ranks`).
 
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.
@@ -165,6 +166,18 @@ class Fp8Backend(PrecisionBackend):
         opts = [f"fast_accum={self.fast_accum}"] if self.fast_accum != "forward" else []
         opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
         return f"{self.name}[{','.join(opts)}]" if opts else self.name
+
+    def sync_ranks(self, model: nn.Module) -> None:
+        # delayed scaling: every rank scales by the largest amax any rank saw, so a rank whose
+        # activations or gradients outgrow another's does not saturate (TE reduces its amaxes too)
+        hists = [h for m in model.modules() if isinstance(m, Fp8Linear) and m.history_len
+                 for h in (m.x_amax_history, m.g_amax_history)]
+        if not hists:
+            return
+        flat = torch.cat(hists)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+        for h, v in zip(hists, flat.split([h.numel() for h in hists])):
+            h.copy_(v)
 
     def convert(self, model: nn.Module) -> nn.Module:
         kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
