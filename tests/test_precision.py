@@ -483,9 +483,18 @@ def _ranks_worker(rank, world, init_file, out_dir):
 def test_fp8_delayed_amax_agrees_across_ranks(tmp_path):
     """Under data parallelism every rank scales by the largest amax any rank saw (DDP no longer
     broadcasts rank 0's histories; the backend reduces them after backward)."""
+    import time
+
     import torch.multiprocessing as mp
-    mp.start_processes(_ranks_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    # spawn, not fork: a fork of a process whose thread pools earlier tests started can deadlock
+    ctx = mp.start_processes(_ranks_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                             start_method="spawn", join=False)
+    deadline = time.time() + 120
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two ranks did not finish within 120 s")
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     for i in (0, 1):  # x history, g history
         assert not torch.equal(r0["before"][i], r1["before"][i])
