@@ -95,6 +95,8 @@ def test_chat_page_streams_a_reply(ui_server):
             browser.close()
     assert final.strip(), "no reply appeared"
     assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
-    assert lengths == sorted(lengths)
+    # the visible text grows; it may shrink by a few characters where the sampled text closes a
+    # markdown pair (`*a*` renders as an italic "a"), but never restarts or loses what was shown
+    assert lengths[-1] > lengths[0] and all(b >= a - 4 for a, b in zip(lengths, lengths[1:])), lengths
     assert stop_seen, "no stop button while the reply streamed"
     assert stopped_in < 2, "the stop button did not free the engine row"
