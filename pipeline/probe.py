@@ -33,7 +33,7 @@ from model.optim import build_optimizer
 from model.precision import BACKENDS, LayerFilter, get_backend
 from model.precision.base import compile_model, describe_device
 
-from .config import ProbeParams
+from .config import ConfigError, ProbeParams, load_params
 
 # one list of defaults, params.yaml's `probe:` section (pipeline/config.py)
 DEFAULT_BACKENDS, DEFAULT_TE_RECIPES = ProbeParams().backends, ProbeParams().te_recipes
@@ -312,6 +312,10 @@ def _f(v, fmt, unit=""):
     return "" if v is None else format(v, fmt) + unit
 
 
+PROBE_COLUMNS = ["backend", "runs here", "Linears converted", "final loss", "vs bf16", "tok/s", "speedup", "MFU",
+                 "peak GiB", "micro-step ms", "step ms (tok/s)"]
+
+
 def to_markdown(out: dict) -> str:
     c = out["config"]
     lines = [f"# Precision probe: {out['device']}", "",
@@ -320,14 +324,14 @@ def to_markdown(out: dict) -> str:
              f"data {c['data']}, MFU at {c['peak_tflops']:.0f} TFLOP/s from {c['flops_per_token'] / 1e9:.2f} GFLOP/token.",
              "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the last "
              "column is the whole step with the optimizer (the same Muon + AdamW for every backend).",
-             "", "| backend | runs here | Linears converted | final loss | vs bf16 | tok/s | speedup | MFU | peak GiB | micro-step ms | step ms (tok/s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| " + " | ".join(PROBE_COLUMNS) + " |", "|" + " --- |" * len(PROBE_COLUMNS)]
+    blanks = " |" * (len(PROBE_COLUMNS) - 2)  # a row that did not run fills only its first two cells
     for r in out["results"]:
         label = r["label"] + (" (EMULATED)" if r["emulated"] else "")
         if not r["available"]:
-            lines.append(f"| {label} | no: {r['reason']} | | | | | | | | | |")
+            lines.append(f"| {label} | no: {r['reason']} |{blanks}")
         elif not r["ran"]:
-            lines.append(f"| {label} | yes, but failed: {r.get('error')} | | | | | | | | | |")
+            lines.append(f"| {label} | yes, but failed: {r.get('error')} |{blanks}")
         else:
             # the count shows a filter that left nothing to convert (say nvfp4's bf16 last blocks on a tiny model)
             lines.append(f"| {label} | yes | {_f(r.get('converted'), 'd')} | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
@@ -362,7 +366,6 @@ def main(argv=None):
     kw = {}
     if a.params:
         # through the same loader as training: a misspelt key stops here with its name, not in run_probe
-        from .config import ConfigError, load_params
         try:
             kw.update(dataclasses.asdict(load_params(a.params).probe))
         except ConfigError as e:
