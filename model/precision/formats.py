@@ -63,9 +63,14 @@ def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[t
     With amax = amax(x) this is per-tensor dynamic scaling; delayed scaling passes an amax from
     earlier steps, and values beyond it saturate."""
     fmax = fp8_max(dtype)
-    s = fmax / amax.float().clamp(min=AMAX_FLOOR)
+    s = fp8_scale(dtype, amax)
     q = (x.float() * s).clamp(-fmax, fmax).to(dtype)
     return q, s.reciprocal()
+
+
+def fp8_scale(dtype: torch.dtype, amax: torch.Tensor) -> torch.Tensor:
+    """The FP32 scale that puts `amax` on the format's largest value."""
+    return fp8_max(dtype) / amax.float().clamp(min=AMAX_FLOOR)
 
 
 def fake_quant_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

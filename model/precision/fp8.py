@@ -38,10 +38,12 @@ import torch.nn as nn
 
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
-from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, quantize_fp8
+from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
+from .fp8_cast import cast_transpose
 
 FAST_ACCUM = ("forward", "all", "none")
 SCALING = ("dynamic", "delayed")
+CAST = ("kernel", "inline")
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -67,32 +69,49 @@ def _scale_source(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | N
 
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history):
+    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history, cast_kernel):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, E4M3, x_hist, use_history))
+        x_amax = _scale_source(x2, E4M3, x_hist, use_history)
+        if cast_kernel:
+            # the producer hands over bf16 (half the bytes of the fp32 residual stream); the op writes
+            # x^T too, which only the weight-gradient GEMM reads
+            xq, xqt = cast_transpose(x2.to(out_dtype), fp8_scale(E4M3, x_amax), E4M3)
+            xs = fp8_scale(E4M3, x_amax).reciprocal()
+        else:
+            xq, xs = cast_fp8(x2, E4M3, x_amax)
+            xqt = None
         wq, ws = quantize_fp8(w, E4M3)  # weights: always this step's amax (a small tensor, cheap)
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
-        # keep the FP8 copies for backward: a quarter of the bf16 activation memory
-        ctx.save_for_backward(xq, xs, wq, ws)
-        ctx.fast_bwd, ctx.g_hist, ctx.use_history = fast_bwd, g_hist, use_history
+        # keep one FP8 copy of x for backward (a quarter of the bf16 activation memory): the transposed
+        # one when the cast op made it, else the row-major one, transposed in backward
+        ctx.save_for_backward(xqt if cast_kernel else xq, xs, wq, ws)
+        ctx.fast_bwd, ctx.g_hist, ctx.use_history, ctx.cast_kernel = fast_bwd, g_hist, use_history, cast_kernel
         ctx.dtypes = (x.dtype, w.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
-        xq, xs, wq, ws = ctx.saved_tensors
+        xsaved, xs, wq, ws = ctx.saved_tensors
         xdt, wdt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
-        gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history))
+        g_amax = _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history)
+        if ctx.cast_kernel:
+            gq, gqt = cast_transpose(g2, fp8_scale(E5M2, g_amax), E5M2)
+            gs = fp8_scale(E5M2, g_amax).reciprocal()
+            x_col = xsaved.t()  # x^T contiguous = x column-major
+        else:
+            gq, gs = cast_fp8(g2, E5M2, g_amax)
+            gqt, x_col = gq.t().contiguous(), _col_major(xsaved)
         gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
-        gw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs,
-                              out_dtype=torch.float32, use_fast_accum=ctx.fast_bwd)
-        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None, None, None, None
+        gw = torch._scaled_mm(gqt, x_col, scale_a=gs, scale_b=xs, out_dtype=torch.float32,
+                              use_fast_accum=ctx.fast_bwd)
+        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None, None, None, None, None
 
 
 class Fp8Linear(ConvertedLinear):
     fast_fwd, fast_bwd = True, False
+    cast_kernel = False  # True: casts through the cast-transpose op (fp8_cast.py), False: inline
     history_len = 0  # > 0: delayed scaling of activations and gradients over this many steps
 
     def configure(self, **kwargs) -> None:
@@ -113,7 +132,10 @@ class Fp8Linear(ConvertedLinear):
             self.calibrated = True  # the first step scales dynamically and starts the histories
         else:  # dynamic scaling; evaluation (no grad) leaves the training histories alone
             hists, use_history = (None, None), False
-        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *hists, use_history)
+        # the transposed copies serve only the backward, so evaluation casts inline
+        kernel = self.cast_kernel and torch.is_grad_enabled()
+        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *hists, use_history,
+                             kernel)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -123,7 +145,7 @@ class Fp8Backend(PrecisionBackend):
     the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic)."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
-    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16}
+    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "inline"}
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
@@ -133,10 +155,13 @@ class Fp8Backend(PrecisionBackend):
         cfg = {**self.OPTIONS, **self.options}
         self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
         self.history_len = int(cfg["amax_history_len"])
+        self.cast = cfg["cast"]
         if self.fast_accum not in FAST_ACCUM:
             raise ValueError(f"precision.fp8.fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
         if self.scaling not in SCALING:
             raise ValueError(f"precision.fp8.scaling must be one of {SCALING}, got {self.scaling!r}")
+        if self.cast not in CAST:
+            raise ValueError(f"precision.fp8.cast must be one of {CAST}, got {self.cast!r}")
         if self.history_len < 1:
             raise ValueError(f"precision.fp8.amax_history_len must be >= 1, got {self.history_len}")
 
@@ -165,6 +190,7 @@ class Fp8Backend(PrecisionBackend):
     def label(self) -> str:
         opts = [f"fast_accum={self.fast_accum}"] if self.fast_accum != "forward" else []
         opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
+        opts += [f"cast={self.cast}"] if self.cast != self.OPTIONS["cast"] else []
         return f"{self.name}[{','.join(opts)}]" if opts else self.name
 
     def sync_ranks(self, model: nn.Module) -> None:
@@ -181,6 +207,6 @@ class Fp8Backend(PrecisionBackend):
 
     def convert(self, model: nn.Module) -> nn.Module:
         kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
-                  history_len=self.history_len if self.scaling == "delayed" else 0)
+                  history_len=self.history_len if self.scaling == "delayed" else 0, cast_kernel=self.cast == "kernel")
         self.converted = swap_linears(model, self.layer_filter, lambda lin: Fp8Linear.from_linear(lin, **kw))
         return model

@@ -1,0 +1,85 @@
+"""FP8 cast with a transposed copy in one pass: what each FP8 Linear's backward needs.
+
+Hopper's FP8 GEMM takes only K-major operands, so the weight-gradient GEMM dW = dy^T @ x needs dy and
+x stored transposed (tokens contiguous) next to the row-major copies the other GEMMs use. Left to
+torch.compile, the cast and the transposed write land inside whatever kernel produced the tensor
+(QK-norm/RoPE backward, squared-ReLU backward), whose iteration order suits the row-major write only:
+on the H200 at d20 those kernels ran 2-5x slower than their bf16 counterparts
+(bench/results/README.md). Here the cast is one custom op, opaque to the compiler: on CUDA a Triton
+kernel reads a tile once, scales, saturates and rounds it, and writes it twice (as is and transposed,
+both coalesced); elsewhere the same arithmetic in plain torch. The producer then writes an ordinary
+bf16 tensor, which costs one extra read and write of it.
+
+Op: `sparkchat::fp8_cast_transpose(x, scale, dtype) -> (q, q^T)`, with q = saturate(x * scale) in
+`dtype` (float8_e4m3fn or float8_e5m2) and q^T contiguous. The rounding is round-to-nearest-even in
+both implementations, so they agree bit for bit (tests/test_fp8_cast.py, on a GPU).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs have no Triton; the torch implementation serves them
+    triton = None
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    fmax = float(torch.finfo(dtype).max)
+    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, q.t().contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, M, N, fmax,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.load(scale_ptr)
+        q = tl.minimum(tl.maximum(y, -fmax), fmax).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+        # the transposed store: Triton stages the tile through shared memory so this write is coalesced too
+        tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
+
+
+def _triton_cast_transpose(x, scale, dtype):
+    M, N = x.shape
+    q = torch.empty((M, N), dtype=dtype, device=x.device)
+    qt = torch.empty((N, M), dtype=dtype, device=x.device)
+    BM, BN = 64, 64
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    _cast_transpose_kernel[grid](x, scale, q, qt, M, N, float(torch.finfo(dtype).max), BLOCK_M=BM, BLOCK_N=BN,
+                                 num_warps=4)
+    return q, qt
+
+
+@torch.library.custom_op("sparkchat::fp8_cast_transpose", mutates_args=())
+def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = FP8_DTYPES[fmt]
+    x = x.contiguous()
+    if x.is_cuda and triton is not None:
+        return _triton_cast_transpose(x, scale.float(), dtype)
+    return _reference(x, scale, dtype)
+
+
+@_fp8_cast_transpose.register_fake
+def _(x, scale, fmt):
+    dtype = FP8_DTYPES[fmt]
+    M, N = x.shape
+    return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, q^T contiguous) of a 2-D tensor: q = saturate(x * scale) in FP8 `dtype`."""
+    fmt = {v: k for k, v in FP8_DTYPES.items()}[dtype]
+    return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), fmt)
+
+
+def triton_available() -> bool:
+    return triton is not None
