@@ -108,6 +108,8 @@ class Fp8Params:
     """dynamic (each tensor by its own amax) | delayed (activations, gradients by the last steps' amax)."""
     amax_history_len: int = 16
     """delayed scaling: how many steps of amax the scale looks back over."""
+    cast: str = "inline"
+    """inline (casts left to torch.compile) | kernel (one cast-transpose op per tensor: Triton on CUDA)."""
 
 
 @dataclass
@@ -161,6 +163,7 @@ class PrecisionParams:
         _choice(self.te_modules, ("linear", "fused"), f"{key}.te_modules")
         _choice(self.fp8.fast_accum, ("forward", "all", "none"), f"{key}.fp8.fast_accum")
         _choice(self.fp8.scaling, ("dynamic", "delayed"), f"{key}.fp8.scaling")
+        _choice(self.fp8.cast, ("inline", "kernel"), f"{key}.fp8.cast")
         _positive(self.fp8, f"{key}.fp8", "amax_history_len")
         _positive(self.layer_filter, f"{key}.layer_filter", "dim_multiple")
         if self.nvfp4.bf16_last_blocks < 0:

@@ -30,8 +30,9 @@ def _check_op(device, x_dtype):
         x = _hard_input(rows, cols, x_dtype, device)
         for fmt in FORMATS:
             scale = torch.tensor(3.5, device=device)
-            q, qt = fp8_cast.cast_transpose(x, scale, fmt)
-            r, rt = fp8_cast._reference(x, scale, fmt)
+            q, qt, am = fp8_cast.cast_transpose(x, scale, fmt)
+            r, rt, ram = fp8_cast._reference(x, scale, fmt)
+            assert am.item() == ram.item() == x.float().abs().max().item()
             assert q.dtype == fmt and qt.shape == (cols, rows) and qt.is_contiguous()
             assert torch.equal(_bits(q), _bits(r)), f"{fmt} cast differs at {rows}x{cols}"
             assert torch.equal(_bits(qt), _bits(rt)), f"{fmt} transpose differs at {rows}x{cols}"
@@ -42,28 +43,37 @@ def test_op_matches_reference_cpu():
     _check_op("cpu", torch.float32)
 
 
-def _train_grads(cast, device, compiled):
+def _train_grads(cast, device, compiled, scaling="dynamic", steps=1):
+    """Outputs and gradients of the last of `steps` forward/backward passes (delayed scaling uses its
+    history from the second step on)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.ReLU(),
                               torch.nn.Linear(64, 32, bias=False)).to(device)
-    backend = get_backend("fp8", {"cast": cast}, LayerFilter(16, []))
+    backend = get_backend("fp8", {"cast": cast, "scaling": scaling, "amax_history_len": 4}, LayerFilter(16, []))
     backend.convert(net)
     f = torch.compile(net) if compiled else net
-    x = torch.randn(4, 8, 32, device=device, generator=torch.Generator(device).manual_seed(1), requires_grad=True)
-    with backend.autocast(torch.device(device)):
-        y = f(x)
-    y.float().square().sum().backward()
-    return [y.detach(), x.grad, net[0].weight.grad, net[2].weight.grad]
+    for step in range(steps):
+        net.zero_grad()
+        x = torch.randn(4, 8, 32, device=device, generator=torch.Generator(device).manual_seed(step),
+                        requires_grad=True) * (1 + step)  # growing inputs: the history lags behind
+        x.retain_grad()
+        with backend.autocast(torch.device(device)):
+            y = f(x)
+        y.float().square().sum().backward()
+    hist = [net[0].x_amax_history, net[0].g_amax_history] if scaling == "delayed" else []
+    return [y.detach(), x.grad, net[0].weight.grad, net[2].weight.grad, *hist]
 
 
 def test_backend_same_results_through_the_op_cpu():
     """Same forward, input gradient and weight gradients, eager and compiled, bit for bit (on CPU the
     activations stay fp32 in both paths, so nothing but the op's placement differs)."""
-    ref = _train_grads("inline", "cpu", compiled=False)
-    for compiled in (False, True):
-        got = _train_grads("kernel", "cpu", compiled)
-        for a, b in zip(got, ref):
-            assert torch.equal(a, b)
+    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
+        ref = _train_grads("inline", "cpu", False, scaling, steps)
+        for compiled in (False, True):
+            got = _train_grads("kernel", "cpu", compiled, scaling, steps)
+            assert len(got) == len(ref)
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), (scaling, compiled)
 
 
 def test_unknown_cast_option_names_choices():
@@ -88,7 +98,9 @@ if __name__ == "__main__":  # the GPU machine has no pytest
     for x_dtype in (torch.bfloat16, torch.float32):
         _check_op("cuda", x_dtype)
     print("triton cast-transpose: bit-exact against torch on", torch.cuda.get_device_name())
-    for compiled in (False, True):
-        a, b = _train_grads("kernel", "cuda", compiled), _train_grads("inline", "cuda", compiled)
-        print(f"compiled={compiled}: max |kernel - inline| per output:",
-              [f"{(x.float() - y.float()).abs().max().item():.3g}" for x, y in zip(a, b)])
+    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
+        for compiled in (False, True):
+            a = _train_grads("kernel", "cuda", compiled, scaling, steps)
+            b = _train_grads("inline", "cuda", compiled, scaling, steps)
+            print(f"{scaling} compiled={compiled}: max |kernel - inline| / max |inline| per output:",
+                  [f"{((x.float() - y.float()).abs().max() / y.float().abs().max()).item():.3g}" for x, y in zip(a, b)])

@@ -5,6 +5,10 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml
+# FP8_CAST=kernel / FP8_SCALING=delayed: precision.fp8 options for every stage
+[ -n "$FP8_CAST" ] && sed -i "s/^    cast: inline /    cast: $FP8_CAST /" params.yaml
+[ -n "$FP8_SCALING" ] && sed -i "s/^    scaling: dynamic /    scaling: $FP8_SCALING /" params.yaml
+grep -A5 '^  fp8:' params.yaml
 [ -n "$EPOCHS" ] && sed -i "s/epochs: 2.0/epochs: $EPOCHS/" profiles/h200-small.yaml
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for s in ${STAGES:-pretrain midtrain sft}; do

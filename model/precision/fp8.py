@@ -51,34 +51,50 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _history_amax(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Delayed scaling's amax: the largest of the last steps'. A history of zeros (a gradient that was
+    exactly zero, as behind a zero-initialised projection at step 1) gives scale 1, as TE does, rather
+    than falling back to this step's own amax."""
+    past = history.amax()
+    return torch.where(past > 0, past, torch.full_like(past, fp8_max(dtype)))
+
+
+def _record(history: torch.Tensor, current: torch.Tensor) -> None:
+    history.copy_(torch.cat([current.reshape(1), history[:-1]]))
+
+
 def _scale_source(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool) -> torch.Tensor:
-    """The amax a tensor is scaled by: its own (dynamic), or the largest of the last steps' (delayed),
-    recording this step's amax for later. A history of zeros (a gradient that was exactly zero, as
-    behind a zero-initialised projection at step 1) gives scale 1, as TE does, rather than falling
-    back to this step's own amax."""
+    """The amax an inline cast scales by: the tensor's own (dynamic) or the history's (delayed), recording
+    this step's amax for later."""
     current = amax(t)
-    if history is None or not use_history:
-        source = current
-    else:
-        past = history.amax()
-        source = torch.where(past > 0, past, torch.full_like(past, fp8_max(dtype)))
+    source = _history_amax(history, dtype) if history is not None and use_history else current
     if history is not None:
-        history.copy_(torch.cat([current.reshape(1), history[:-1]]))
+        _record(history, current)
     return source
+
+
+def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool):
+    """(q, q^T, inverse scale) through the cast-transpose op. Delayed scaling reads its scale from the
+    history and records the amax the op found in the same pass, so no pass waits for an amax; dynamic
+    scaling still needs this tensor's amax first."""
+    source = _history_amax(history, dtype) if history is not None and use_history else amax(t)
+    s = fp8_scale(dtype, source)
+    q, qt, current = cast_transpose(t, s, dtype)
+    if history is not None:
+        _record(history, current)
+    return q, qt, s.reciprocal()
 
 
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history, cast_kernel):
         x2 = x.reshape(-1, x.shape[-1])
-        x_amax = _scale_source(x2, E4M3, x_hist, use_history)
         if cast_kernel:
             # the producer hands over bf16 (half the bytes of the fp32 residual stream); the op writes
             # x^T too, which only the weight-gradient GEMM reads
-            xq, xqt = cast_transpose(x2.to(out_dtype), fp8_scale(E4M3, x_amax), E4M3)
-            xs = fp8_scale(E4M3, x_amax).reciprocal()
+            xq, xqt, xs = _kernel_cast(x2.to(out_dtype), E4M3, x_hist, use_history)
         else:
-            xq, xs = cast_fp8(x2, E4M3, x_amax)
+            xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, E4M3, x_hist, use_history))
             xqt = None
         wq, ws = quantize_fp8(w, E4M3)  # weights: always this step's amax (a small tensor, cheap)
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
@@ -94,13 +110,11 @@ class _Fp8Matmul(torch.autograd.Function):
         xsaved, xs, wq, ws = ctx.saved_tensors
         xdt, wdt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
-        g_amax = _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history)
         if ctx.cast_kernel:
-            gq, gqt = cast_transpose(g2, fp8_scale(E5M2, g_amax), E5M2)
-            gs = fp8_scale(E5M2, g_amax).reciprocal()
+            gq, gqt, gs = _kernel_cast(g2, E5M2, ctx.g_hist, ctx.use_history)
             x_col = xsaved.t()  # x^T contiguous = x column-major
         else:
-            gq, gs = cast_fp8(g2, E5M2, g_amax)
+            gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history))
             gqt, x_col = gq.t().contiguous(), _col_major(xsaved)
         gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)

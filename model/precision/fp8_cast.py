@@ -10,8 +10,9 @@ kernel reads a tile once, scales, saturates and rounds it, and writes it twice (
 both coalesced); elsewhere the same arithmetic in plain torch. The producer then writes an ordinary
 bf16 tensor, which costs one extra read and write of it.
 
-Op: `sparkchat::fp8_cast_transpose(x, scale, dtype) -> (q, q^T)`, with q = saturate(x * scale) in
-`dtype` (float8_e4m3fn or float8_e5m2) and q^T contiguous. The rounding is round-to-nearest-even in
+Op: `sparkchat::fp8_cast_transpose(x, scale, fmt) -> (q, q^T, amax)`, with q = saturate(x * scale) in
+`fmt` (e4m3 or e5m2), q^T contiguous and amax = max |x| from the same pass, which is all delayed
+scaling needs: its scale comes from earlier steps, so nothing waits for a separate amax pass. The rounding is round-to-nearest-even in
 both implementations, so they agree bit for bit (tests/test_fp8_cast.py, on a GPU).
 """
 from __future__ import annotations
@@ -27,40 +28,46 @@ except ImportError:  # CPU-only installs have no Triton; the torch implementatio
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     fmax = float(torch.finfo(dtype).max)
     q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, q.t().contiguous()
+    return q, q.t().contiguous(), x.detach().abs().amax().float()
 
 
 if triton is not None:
     @triton.jit
-    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, M, N, fmax,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
+                               OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # int64 offsets: an output head's gradient (65,536 tokens x 65,536 vocab) passes 2^31 elements
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = x * tl.load(scale_ptr)
-        q = tl.minimum(tl.maximum(y, -fmax), fmax).to(q_ptr.dtype.element_ty)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax), fmax)
+        # stored as raw bytes: the transposed tile then goes through Triton's ordinary 8-bit-integer
+        # transpose, and both writes are contiguous
+        q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
-        # the transposed store: Triton stages the tile through shared memory so this write is coalesced too
-        tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 def _triton_cast_transpose(x, scale, dtype):
     M, N = x.shape
     q = torch.empty((M, N), dtype=dtype, device=x.device)
     qt = torch.empty((N, M), dtype=dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     BM, BN = 64, 64
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    _cast_transpose_kernel[grid](x, scale, q, qt, M, N, float(torch.finfo(dtype).max), BLOCK_M=BM, BLOCK_N=BN,
+    out_dtype = tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
+    _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N,
+                                 float(torch.finfo(dtype).max), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
                                  num_warps=4)
-    return q, qt
+    return q, qt, amax
 
 
 @torch.library.custom_op("sparkchat::fp8_cast_transpose", mutates_args=())
-def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
     x = x.contiguous()
     if x.is_cuda and triton is not None:
@@ -72,11 +79,12 @@ def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple
 def _(x, scale, fmt):
     dtype = FP8_DTYPES[fmt]
     M, N = x.shape
-    return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype)
+    return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, q^T contiguous) of a 2-D tensor: q = saturate(x * scale) in FP8 `dtype`."""
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """(q, q^T contiguous, amax(|x|)) of a 2-D tensor: q = saturate(x * scale) in FP8 `dtype`, all in
+    one pass over x (the amax feeds delayed scaling's history)."""
     fmt = {v: k for k, v in FP8_DTYPES.items()}[dtype]
     return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), fmt)
 
