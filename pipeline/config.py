@@ -108,8 +108,8 @@ class Fp8Params:
     """dynamic (each tensor by its own amax) | delayed (activations, gradients by the last steps' amax)."""
     amax_history_len: int = 16
     """delayed scaling: how many steps of amax the scale looks back over."""
-    cast: str = "inline"
-    """inline (casts left to torch.compile) | kernel (one cast-transpose op per tensor: Triton on CUDA)."""
+    cast: str = "kernel"
+    """kernel (one cast-transpose op per tensor: Triton on CUDA) | inline (casts left to torch.compile)."""
 
 
 @dataclass

@@ -1,13 +1,14 @@
 #!/bin/bash
-# H200: pretrain -> midtrain -> sft under native fp8 (profile h200-small) on the data and tokenizer that
-# `dvc repro prepare tokenizer` made on the CPU machine (carried in artifacts/); the model comes back
+# H200: pretrain -> midtrain -> sft under native fp8 (profile h200-small: delayed scaling, cast kernel)
+# on the data and tokenizer that `dvc repro prepare tokenizer` made on the CPU machine (carried in artifacts/); the model comes back
 # in parts under $OUT for the CPU server to load.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml
-# FP8_CAST=kernel / FP8_SCALING=delayed: precision.fp8 options for every stage
-[ -n "$FP8_CAST" ] && sed -i "s/^    cast: inline /    cast: $FP8_CAST /" params.yaml
-[ -n "$FP8_SCALING" ] && sed -i "s/^    scaling: dynamic /    scaling: $FP8_SCALING /" params.yaml
+# FP8_CAST=kernel|inline / FP8_SCALING=dynamic|delayed: params.yaml's precision.fp8 options (the
+# profile's own precision.fp8 settings, if any, still win)
+[ -n "$FP8_CAST" ] && sed -i "s/^    cast: [a-z]* /    cast: $FP8_CAST /" params.yaml
+[ -n "$FP8_SCALING" ] && sed -i "s/^    scaling: [a-z]* /    scaling: $FP8_SCALING /" params.yaml
 grep -A5 '^  fp8:' params.yaml
 [ -n "$EPOCHS" ] && sed -i "s/epochs: 2.0/epochs: $EPOCHS/" profiles/h200-small.yaml
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader

@@ -10,9 +10,14 @@ The three GEMMs of a Linear y = x W^T (x: M x K tokens-by-features, W: N x K):
     forward  y  = x  @ W^T     e4m3 x e4m3  -> bf16
     dgrad    dx = dy @ W       e5m2 x e4m3  -> bf16
     wgrad    dW = dy^T @ x     e5m2 x e4m3  -> fp32
-They live in one autograd Function, so the casts are visible to torch.compile, which fuses each
-amax + scale + cast (and the transposes the backward needs) into the neighbouring kernels. Uncompiled,
-those casts are separate memory passes and FP8 is slower than bf16; compile is what makes it pay.
+They live in one autograd Function under torch.compile. Where the casts run (`cast`):
+  - `kernel` (default): each activation and gradient goes through one cast-transpose op
+    (fp8_cast.py; a Triton kernel on CUDA) that writes the row-major FP8 copy and the transposed one
+    the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way;
+  - `inline`: the casts are plain tensor code that Inductor fuses into the neighbouring kernels. It
+    then writes the transposed copy from kernels whose iteration order suits only the row-major one:
+    at d20 on the H200 those kernels took 71 ms of a 372 ms micro-step more than bf16's.
+Uncompiled, the inline casts are separate memory passes and FP8 is slower than bf16.
 
 What the kernel requires (cuBLASLt on sm_89+): the first operand row-major, the second column-major
 (`b.t()` of a contiguous tensor), inner dimension and both outer dimensions divisible by 16, FP32
@@ -23,10 +28,11 @@ scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multip
 
 Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe: the activation and
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
-wait for this step's amax. On the H200 it bought nothing (d20 micro-step 376.6 ms against 371.8 ms
-dynamic, bench/results/README.md): compiled, Inductor already computes each dynamic amax in the same
-kernel as its cast. The first step (and the first after a resume) scales dynamically. Under data
-parallelism the histories are reduced to their maximum over ranks every step (`sync_ranks`).
+wait for this step's amax. With `cast: kernel` that removes every separate amax pass (the op records
+the amax it finds while casting): the fastest fp8 measured, 1.196x bf16 at d20 on the H200 against
+1.11x for dynamic inline casts (bench/results/README.md). With inline casts it bought nothing. The
+first step (and the first after a resume) scales dynamically. Under data parallelism the histories
+are reduced to their maximum over ranks every step (`sync_ranks`).
 
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.
@@ -156,10 +162,11 @@ class Fp8Linear(ConvertedLinear):
 class Fp8Backend(PrecisionBackend):
     """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none; scaling = dynamic
     (default: each tensor by its own amax) | delayed (activations and gradients by the largest amax of
-    the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic)."""
+    the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic); cast = kernel
+    (default: the cast-transpose op) | inline (casts fused by torch.compile)."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
-    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "inline"}
+    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel"}
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)

@@ -49,7 +49,7 @@ if triton is not None:
         # transpose, and both writes are contiguous
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M))
 
 
 def _triton_cast_transpose(x, scale, dtype):
@@ -70,7 +70,9 @@ def _triton_cast_transpose(x, scale, dtype):
 def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
     x = x.contiguous()
-    if x.is_cuda and triton is not None:
+    # 16-bit inputs only (what the backend passes): with fp32 tiles the transposed copy came out wrong on
+    # the H200 (Triton 3.6), so fp32 takes the torch path
+    if x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float16):
         return _triton_cast_transpose(x, scale.float(), dtype)
     return _reference(x, scale, dtype)
 
