@@ -335,7 +335,7 @@ def to_markdown(out: dict) -> str:
         else:
             # the count shows a filter that left nothing to convert (say nvfp4's bf16 last blocks on a tiny model)
             lines.append(f"| {label} | yes | {_f(r.get('converted'), 'd')} | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
-                         f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.2f', 'x')} | {_f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | "
+                         f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.3f', 'x')} | {_f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | "
                          f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) |")
     return "\n".join(lines) + "\n"
 

@@ -85,6 +85,14 @@ def test_unknown_cast_option_names_choices():
         raise AssertionError("cast=fast was accepted")
 
 
+def test_kernel_without_triton_says_so_on_cuda(monkeypatch):
+    from model.precision import fp8 as fp8_mod
+    monkeypatch.setattr(fp8_mod, "triton_available", lambda: False)
+    notes = get_backend("fp8", {}, LayerFilter()).notes(torch.device("cuda"))
+    assert any("without Triton" in n for n in notes)
+    assert not get_backend("fp8", {"cast": "inline"}, LayerFilter()).notes(torch.device("cuda"))
+
+
 def test_triton_kernel_matches_reference_gpu():
     import pytest
     if not (torch.cuda.is_available() and fp8_cast.triton_available()):

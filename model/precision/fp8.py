@@ -45,7 +45,7 @@ import torch.nn as nn
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
-from .fp8_cast import cast_transpose
+from .fp8_cast import cast_transpose, triton_available
 
 FAST_ACCUM = ("forward", "all", "none")
 SCALING = ("dynamic", "delayed")
@@ -205,6 +205,9 @@ class Fp8Backend(PrecisionBackend):
     def notes(self, device):
         if torch.device(device).type == "cpu":
             return ["fp8 on CPU runs the real _scaled_mm path for correctness only: no speedup on CPU"]
+        if self.cast == "kernel" and not triton_available():
+            return ["fp8 cast: kernel without Triton installed runs the cast-transpose op in plain torch, "
+                    "slower than cast: inline; install triton (CUDA builds of torch bring it)"]
         return []
 
     @property
