@@ -271,7 +271,7 @@ def train(stage: str, p: Params) -> dict:
 
     metrics = {"steps": steps, "final_loss": round(loss_value, 4), "val_bpb": round(history.get("val_bpb", float("nan")), 4),
                "tokens_per_s": round(tps), "params": raw_model.num_params(), "backend": backend.name,
-               "emulated": backend.emulated, "device": str(device),
+               "backend_label": backend.label, "emulated": backend.emulated, "device": str(device),
                "tokens": steps * grad_accum * tokens_per_micro}
     if mfu:
         metrics["mfu"] = round(mfu, 4)

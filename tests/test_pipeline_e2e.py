@@ -103,7 +103,9 @@ def test_repro_noop_and_param_change(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "x 2 rank(s)" in out and "fp8[delayed,history=16]" in out and "sft: done" in out
-    assert math.isfinite(json.loads((proj / "artifacts/sft/metrics.json").read_text())["final_loss"])
+    sft_metrics = json.loads((proj / "artifacts/sft/metrics.json").read_text())
+    assert math.isfinite(sft_metrics["final_loss"])
+    assert sft_metrics["backend_label"] == "fp8[delayed,history=16]"  # the options, for dvc metrics show
 
 
 def test_kill9_during_pretrain_resumes(tmp_path):

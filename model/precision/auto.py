@@ -96,6 +96,10 @@ class AutoBackend(PrecisionBackend):
     def emulated(self):
         return self.chosen.emulated if self.chosen else False
 
+    @property
+    def label(self) -> str:
+        return f"auto:{self.chosen.label}" if self.chosen else "auto"
+
     def compute_dtype(self, device):
         return self.select(device).compute_dtype(device)
 
