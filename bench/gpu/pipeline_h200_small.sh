@@ -5,8 +5,8 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml
-# FP8_CAST=kernel|inline / FP8_SCALING=dynamic|delayed: params.yaml's precision.fp8 options (the
-# profile's own precision.fp8 settings, if any, still win)
+# FP8_CAST=kernel|inline / FP8_SCALING=dynamic|delayed: params.yaml's precision.fp8 options; the
+# profile's own settings still win, and h200-small sets scaling: delayed (FP8_SCALING is then moot)
 [ -n "$FP8_CAST" ] && sed -i "s/^    cast: [a-z]* /    cast: $FP8_CAST /" params.yaml
 [ -n "$FP8_SCALING" ] && sed -i "s/^    scaling: [a-z]* /    scaling: $FP8_SCALING /" params.yaml
 grep -A5 '^  fp8:' params.yaml

@@ -13,7 +13,9 @@ The three GEMMs of a Linear y = x W^T (x: M x K tokens-by-features, W: N x K):
 They live in one autograd Function under torch.compile. Where the casts run (`cast`):
   - `kernel` (default): each activation and gradient goes through one cast-transpose op
     (fp8_cast.py; a Triton kernel on CUDA) that writes the row-major FP8 copy and the transposed one
-    the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way;
+    the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way. The
+    activation is handed over in the matmul dtype (bf16 on a GPU), so an fp32 activation is rounded
+    to bf16 before FP8, as TE's inputs are; inline casts round fp32 straight to FP8;
   - `inline`: the casts are plain tensor code that Inductor fuses into the neighbouring kernels. It
     then writes the transposed copy from kernels whose iteration order suits only the row-major one:
     at d20 on the H200 those kernels took 71 ms of a 372 ms micro-step more than bf16's.
@@ -28,9 +30,10 @@ scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multip
 
 Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe: the activation and
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
-wait for this step's amax. With `cast: kernel` that removes every separate amax pass (the op records
-the amax it finds while casting): the fastest fp8 measured, 1.196x bf16 at d20 on the H200 against
-1.11x for dynamic inline casts (bench/results/README.md). With inline casts it bought nothing. The
+wait for this step's amax. With `cast: kernel` that removes the separate amax passes over activations
+and gradients (the op records the amax it finds while casting; the small weights keep theirs): the
+fastest fp8 measured, 1.196x bf16 at d20 on the H200, where dynamic inline casts got 1.11x in another
+run (bench/results/README.md). With inline casts delayed scaling bought nothing. The
 first step (and the first after a resume) scales dynamically. Under data parallelism the histories
 are reduced to their maximum over ranks every step (`sync_ranks`).
 

@@ -14,9 +14,12 @@ Op: `sparkchat::fp8_cast_transpose(x, scale, fmt) -> (q, q^T, amax)`, with q = s
 `fmt` (e4m3 or e5m2), q^T contiguous and amax = max |x| from the same pass, which is all delayed
 scaling needs: its scale comes from earlier steps, so nothing waits for a separate amax pass. Both
 implementations round to nearest even and agree bit for bit (tests/test_fp8_cast.py, on a GPU). The
-kernel takes bf16/fp16 input; fp32 takes the torch path (see the note in the op).
+kernel takes bf16/fp16 input; fp32 takes the torch path (see the note in the op). One difference: the
+kernel's amax skips NaN, torch's returns NaN; q holds the NaN in both.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -32,7 +35,9 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     fmax = float(torch.finfo(dtype).max)
     q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, q.t().contiguous(), x.detach().abs().amax().float()
+    # clone, not contiguous(): for one row or column the transpose is already contiguous, and a custom
+    # op's outputs may not alias each other
+    return q, q.t().clone(memory_format=torch.contiguous_format), x.detach().abs().amax().float()
 
 
 if triton is not None:
@@ -45,7 +50,10 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax), fmax)
+        # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax);
+        # the amax above skips NaN, so one NaN does not poison delayed scaling's history
+        nan = tl.PropagateNan.ALL
+        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax, propagate_nan=nan), fmax, propagate_nan=nan)
         # stored as raw bytes: the transposed tile then goes through Triton's ordinary 8-bit-integer
         # transpose, and both writes are contiguous
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
@@ -61,9 +69,11 @@ def _triton_cast_transpose(x, scale, dtype):
     BM, BN = 64, 64
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     out_dtype = tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
-    _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N,
-                                 float(torch.finfo(dtype).max), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
-                                 num_warps=4)
+    # launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N,
+                                     float(torch.finfo(dtype).max), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
+                                     num_warps=4)
     return q, qt, amax
 
 
