@@ -15,7 +15,9 @@ They live in one autograd Function under torch.compile. Where the casts run (`ca
     (fp8_cast.py; a Triton kernel on CUDA) that writes the row-major FP8 copy and the transposed one
     the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way. The
     activation is handed over in the matmul dtype (bf16 on a GPU), so an fp32 activation is rounded
-    to bf16 before FP8, as TE's inputs are; inline casts round fp32 straight to FP8;
+    to bf16 before FP8, as TE's inputs are; inline casts round fp32 straight to FP8. Its FP8 copy
+    of each input is saved for the backward, where the compiler would recompute an inline cast:
+    +11 GiB at d20, still below bf16 (bench/saved_activations.py shows the saved tensors);
   - `inline`: the casts are plain tensor code that Inductor fuses into the neighbouring kernels. It
     then writes the transposed copy from kernels whose iteration order suits only the row-major one:
     at d20 on the H200 those kernels took 71 ms of a 372 ms micro-step more than bf16's.
