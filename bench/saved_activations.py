@@ -15,6 +15,7 @@ input.
 from __future__ import annotations
 
 import argparse
+import math
 from collections import Counter
 
 import torch
@@ -48,10 +49,7 @@ def saved_tensors(variant: str, depth: int, seq_len: int, batch: int, vocab: int
 
 
 def nbytes(dtype: torch.dtype, shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def main() -> None:

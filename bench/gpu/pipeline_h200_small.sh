@@ -1,7 +1,7 @@
 #!/bin/bash
 # H200: pretrain -> midtrain -> sft under native fp8 (profile h200-small: delayed scaling, cast kernel)
-# on the data and tokenizer that `dvc repro prepare tokenizer` made on the CPU machine (carried in artifacts/); the model comes back
-# in parts under $OUT for the CPU server to load.
+# on the data and tokenizer that `dvc repro prepare tokenizer` made on the CPU machine (carried in
+# artifacts/); the model comes back in parts under $OUT for the CPU server to load.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml

@@ -62,10 +62,14 @@ def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[t
     """Scale so that `amax` lands on the format's largest value, saturate, cast: (q, inverse scale).
     With amax = amax(x) this is per-tensor dynamic scaling; delayed scaling passes an amax from
     earlier steps, and values beyond it saturate."""
-    fmax = fp8_max(dtype)
     s = fp8_scale(dtype, amax)
-    q = (x.float() * s).clamp(-fmax, fmax).to(dtype)
-    return q, s.reciprocal()
+    return scaled_cast(x, s, dtype), s.reciprocal()
+
+
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale, saturated to the format's range and rounded to nearest even, in FP8 `dtype`."""
+    fmax = fp8_max(dtype)
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
 def fp8_scale(dtype: torch.dtype, amax: torch.Tensor) -> torch.Tensor:

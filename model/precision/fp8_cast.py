@@ -5,10 +5,10 @@ x stored transposed (tokens contiguous) next to the row-major copies the other G
 torch.compile, the cast and the transposed write land inside whatever kernel produced the tensor
 (QK-norm/RoPE backward, squared-ReLU backward), whose iteration order suits the row-major write only:
 on the H200 at d20 the two largest took 33.0 and 21.5 ms of a 367 ms micro-step, several times what
-their memory traffic needs (bench/results/README.md). Here the cast is one custom op, opaque to the compiler: on CUDA a Triton
-kernel reads a tile once, scales, saturates and rounds it, and writes it twice (as is and transposed,
-both coalesced); elsewhere the same arithmetic in plain torch. The producer then writes an ordinary
-bf16 tensor, which costs one extra read and write of it.
+their memory traffic needs (bench/results/README.md). Here the cast is one custom op, opaque to the
+compiler: on CUDA a Triton kernel reads a tile once, scales, saturates and rounds it, and writes it
+twice (as is and transposed, both coalesced); elsewhere the same arithmetic in plain torch. The
+producer then writes an ordinary bf16 tensor, which costs one extra read and write of it.
 
 Op: `sparkchat::fp8_cast_transpose(x, scale, fmt) -> (q, q^T, amax)`, with q = saturate(x * scale) in
 `fmt` (e4m3 or e5m2), q^T contiguous and amax = max |x| from the same pass, which is all delayed
@@ -23,6 +23,8 @@ import contextlib
 
 import torch
 
+from .formats import amax, fp8_max, scaled_cast
+
 try:
     import triton
     import triton.language as tl
@@ -30,14 +32,14 @@ except ImportError:  # CPU-only installs have no Triton; the torch implementatio
     triton = None
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMAT_NAMES = {dtype: name for name, dtype in FP8_DTYPES.items()}
 
 
 def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    fmax = float(torch.finfo(dtype).max)
-    q = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    q = scaled_cast(x, scale, dtype)
     # clone, not contiguous(): for one row or column the transpose is already contiguous, and a custom
     # op's outputs may not alias each other
-    return q, q.t().clone(memory_format=torch.contiguous_format), x.detach().abs().amax().float()
+    return q, q.t().clone(memory_format=torch.contiguous_format), amax(x)
 
 
 if triton is not None:
@@ -58,7 +60,8 @@ if triton is not None:
         # transpose, and both writes are contiguous
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=(cols[:, None] < N) & (rows[None, :] < M))
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M)  # built directly: not tl.trans of a bool tile
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
 def _triton_cast_transpose(x, scale, dtype):
@@ -72,13 +75,14 @@ def _triton_cast_transpose(x, scale, dtype):
     # launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N,
-                                     float(torch.finfo(dtype).max), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
+                                     fp8_max(dtype), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
                                      num_warps=4)
     return q, qt, amax
 
 
 @torch.library.custom_op("sparkchat::fp8_cast_transpose", mutates_args=())
-def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor,
+                        fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
     x = x.contiguous()
     # 16-bit inputs only (what the backend passes): with fp32 tiles the transposed copy came out wrong on
@@ -98,8 +102,7 @@ def _(x, scale, fmt):
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     """(q, q^T contiguous, amax(|x|)) of a 2-D tensor: q = saturate(x * scale) in FP8 `dtype`, all in
     one pass over x (the amax feeds delayed scaling's history)."""
-    fmt = {v: k for k, v in FP8_DTYPES.items()}[dtype]
-    return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), fmt)
+    return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), FORMAT_NAMES[dtype])
 
 
 def triton_available() -> bool:
