@@ -140,6 +140,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    activation = "relu2"  # declared, so a precision backend that fuses the activation can check it
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)

@@ -7,7 +7,8 @@ runs only on a CUDA GPU, where this file also runs without pytest (`python tests
 bench/gpu/fp8_cast.sh does on the H200): every FP8 code and every midpoint between two codes, from
 bf16 and fp16 inputs, bit for bit against torch, NaN kept, and one tensor past 2^31 elements. On a GPU
 the kernel path also rounds fp32 activations to bf16 before casting, so there the two paths differ by
-that rounding; the script prints by how much.
+that rounding; the script prints by how much. The op's fused squared ReLU (forward and backward) is
+checked the same ways, and the fp8 backend's fused MLP against its two Fp8Linears.
 """
 import copy
 
@@ -47,6 +48,7 @@ def _codes_and_midpoints(fmt, dtype, device):
 def _check_op(device, x_dtype):
     for rows, cols in ((64, 64), (100, 72), (130, 48), (16, 2050), (1, 48), (48, 1)):
         x = _hard_input(rows, cols, x_dtype, device)
+        h = _hard_input(rows, cols, x_dtype, device).flip(0) / 8
         for fmt in FORMATS:
             scale = torch.tensor(3.5, device=device)
             q, qt, am = fp8_cast.cast_transpose(x, scale, fmt)
@@ -56,6 +58,12 @@ def _check_op(device, x_dtype):
             assert torch.equal(_bits(q), _bits(r)), f"{fmt} cast differs at {rows}x{cols}"
             assert torch.equal(_bits(qt), _bits(rt)), f"{fmt} transpose differs at {rows}x{cols}"
             assert torch.isfinite(q.float()).all()
+            for act, hh in (("srelu", None), ("srelu_grad", h)):
+                q, qt, am = fp8_cast.cast_transpose(x, scale, fmt, act, hh)
+                r, rt, ram = fp8_cast._reference(x, scale, fmt, act, hh)
+                assert am.item() == ram.item() == fp8_cast.activate(x, act, hh).abs().max().item(), act
+                assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)), \
+                    f"{fmt} {act} differs at {rows}x{cols}"
     for fmt in FORMATS:
         x = _codes_and_midpoints(fmt, x_dtype, device)
         q, qt, _ = fp8_cast.cast_transpose(x, torch.tensor(1.0, device=device), fmt)
@@ -71,8 +79,30 @@ def test_op_contract_cpu():
     for x_dtype in (torch.float32, torch.bfloat16):
         _check_op("cpu", x_dtype)
     x = _hard_input(8, 32, torch.bfloat16, "cpu")
-    for args in ((x, torch.tensor(2.0), "e4m3"), (x[:1], torch.tensor(2.0), "e5m2"), (x.t(), torch.tensor(2.0), "e4m3")):
+    two = torch.tensor(2.0)
+    for args in ((x, two, "e4m3", "none", None), (x[:1], two, "e5m2", "none", None),
+                 (x.t(), two, "e4m3", "srelu", None), (x, two, "e5m2", "srelu_grad", x.flip(1))):
         torch.library.opcheck(torch.ops.sparkchat.fp8_cast_transpose.default, args)
+
+
+def test_op_activations_cpu():
+    """srelu and srelu_grad are relu(x)^2 and x * 2 relu(h) (what autograd gives for relu(h)^2), in
+    FP32, before the scale; a misplaced h is refused."""
+    x = torch.tensor([[-2.0, -0.5, 0.0, 0.5, 3.0, 7.0] * 8] * 16)
+    h = torch.tensor([[1.0, -1.0, 2.0, 0.25, -3.0, 0.5] * 8] * 16)
+    assert torch.equal(fp8_cast.activate(x, "srelu"), torch.relu(x) ** 2)
+    hh = h.clone().requires_grad_()
+    torch.relu(hh).square().backward(x)
+    assert torch.equal(fp8_cast.activate(x, "srelu_grad", h), hh.grad)
+    q, _, am = fp8_cast.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, "srelu")
+    assert am.item() == 49.0 and torch.equal(q.float(), (torch.relu(x) ** 2).to(torch.float8_e4m3fn).float())
+    for act, hh in (("srelu_grad", None), ("none", h), ("gelu", None)):
+        try:
+            fp8_cast.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, act, hh)
+        except ValueError as e:
+            assert "act" in str(e) or "h " in str(e)
+        else:
+            raise AssertionError(f"act={act} with h={hh is not None} was accepted")
 
 
 def _train_grads(cast, device, compiled, scaling="dynamic", steps=1):
@@ -106,6 +136,76 @@ def test_backend_same_results_through_the_op_cpu():
             assert len(got) == len(ref)
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), (scaling, compiled)
+
+
+class _Wrap(torch.nn.Module):
+    """The GPT's MLP as a child (the backend swaps children), fed through a norm as in a block."""
+
+    def __init__(self, d):
+        super().__init__()
+        from model.gpt import MLP, GPTConfig
+        self.mlp = MLP(GPTConfig(n_embd=d, n_head=1, n_kv_head=1))
+
+    def forward(self, x):
+        return self.mlp(torch.nn.functional.rms_norm(x, (x.size(-1),)))
+
+
+def _mlp_grads(mlp_mode, device, compiled, scaling="dynamic", steps=1):
+    torch.manual_seed(0)
+    net = _Wrap(32).to(device)
+    backend = get_backend("fp8", {"scaling": scaling, "amax_history_len": 4, "mlp": mlp_mode}, LayerFilter(16, []))
+    backend.convert(net)
+    f = torch.compile(net) if compiled else net
+    for step in range(steps):
+        net.zero_grad()
+        x = torch.randn(4, 8, 32, device=device, generator=torch.Generator(device).manual_seed(step),
+                        requires_grad=True) * (1 + step)
+        x.retain_grad()
+        with backend.autocast(torch.device(device)):
+            y = f(x)
+        y.float().square().sum().backward()
+    fc, proj = net.mlp.c_fc, net.mlp.c_proj
+    hist = [fc.x_amax_history, fc.g_amax_history, proj.x_amax_history, proj.g_amax_history] \
+        if scaling == "delayed" else []
+    return net, [y.detach(), x.grad, fc.weight.grad, proj.weight.grad, *hist]
+
+
+def test_fused_mlp_same_results_cpu():
+    """The fused MLP gives the two Fp8Linears' outputs, gradients and amax histories exactly (on CPU
+    both see the same fp32 hidden tensor), eager and compiled, dynamic and delayed scaling; and it
+    keeps the plain MLP's parameter names."""
+    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
+        for compiled in (False, True):  # compiled against compiled: the norm's rounding may differ
+            plain, ref = _mlp_grads("linear", "cpu", compiled, scaling, steps)
+            assert type(plain.mlp).__name__ == "MLP"
+            net, got = _mlp_grads("fused", "cpu", compiled, scaling, steps)
+            assert type(net.mlp).__name__ == "Fp8MLP"
+            assert list(net.state_dict()) == list(plain.state_dict()) == ["mlp.c_fc.weight", "mlp.c_proj.weight"]
+            for a, b in zip(got, ref, strict=True):
+                assert torch.equal(a, b), (scaling, compiled)
+    with torch.no_grad():  # evaluation runs the children one by one: same output
+        x = torch.randn(2, 8, 32)
+        assert torch.equal(net(x), plain(x))
+
+
+def test_fused_mlp_only_with_the_kernel_and_relu2():
+    net = _Wrap(32)
+    get_backend("fp8", {"cast": "inline"}, LayerFilter(16, [])).convert(net)
+    assert type(net.mlp).__name__ == "MLP"  # inline casts: the compiler fuses the MLP itself
+    net = _Wrap(32)
+    net.mlp.activation = "gelu"
+    get_backend("fp8", {}, LayerFilter(16, [])).convert(net)
+    assert type(net.mlp).__name__ == "MLP"
+    net = _Wrap(32)
+    get_backend("fp8", {}, LayerFilter(16, ["c_proj"])).convert(net)  # half converted: not fused
+    assert type(net.mlp).__name__ == "MLP"
+    assert get_backend("fp8", {"mlp": "linear"}, LayerFilter()).label == "fp8[mlp=linear]"
+    try:
+        get_backend("fp8", {"mlp": "fast"}, LayerFilter())
+    except ValueError as e:
+        assert "precision.fp8.mlp" in str(e) and "fused" in str(e)
+    else:
+        raise AssertionError("mlp=fast was accepted")
 
 
 def test_unknown_cast_option_names_choices():
@@ -144,7 +244,11 @@ if __name__ == "__main__":  # the GPU machine has no pytest
     del big, q, qt, r, rt
     print("triton cast-transpose: bit-exact against torch on", torch.cuda.get_device_name())
     for scaling, steps in (("dynamic", 1), ("delayed", 3)):
-        for compiled in (False, True):
+        for compiled in (True,):  # as training runs
+            a = _mlp_grads("fused", "cuda", compiled, scaling, steps)[1]
+            b = _mlp_grads("linear", "cuda", compiled, scaling, steps)[1]
+            print(f"mlp {scaling} compiled={compiled}: max |fused - linear| / max |linear| per output:",
+                  [f"{((x.float() - y.float()).abs().max() / y.float().abs().max()).item():.3g}" for x, y in zip(a, b)])
             a = _train_grads("kernel", "cuda", compiled, scaling, steps)
             b = _train_grads("inline", "cuda", compiled, scaling, steps)
             print(f"{scaling} compiled={compiled}: max |kernel - inline| / max |inline| per output:",

@@ -22,6 +22,11 @@ They live in one autograd Function under torch.compile. Where the casts run (`ca
     then writes the transposed copy from kernels whose iteration order suits only the row-major one:
     at d20 on the H200 those kernels took 71 ms of a 372 ms micro-step more than bf16's.
 Uncompiled, the inline casts are separate memory passes and FP8 is slower than bf16.
+With `cast: kernel`, `mlp: fused` (default) also runs each relu^2 MLP as one autograd Function whose
+squared ReLU (and its backward) happens inside the cast op: the first GEMM's bf16 output goes
+straight into the cast of the second GEMM's input, and the second GEMM's input gradient straight into
+the cast of the first's output gradient, so the two elementwise passes of the 4x-wide hidden tensor
+that the compiler would write in bf16 and the op read back are gone. `mlp: linear` keeps two Fp8Linears.
 
 What the kernel requires (cuBLASLt on sm_89+): the first operand row-major, the second column-major
 (`b.t()` of a contiguous tensor), inner dimension and both outer dimensions divisible by 16, FP32
@@ -46,15 +51,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
-from .fp8_cast import cast_transpose, triton_available
+from .fp8_cast import activate, cast_transpose, triton_available
 
 FAST_ACCUM = ("forward", "all", "none")
 SCALING = ("dynamic", "delayed")
 CAST = ("kernel", "inline")
+MLP = ("fused", "linear")
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -84,13 +91,14 @@ def _scale_source(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | N
     return source
 
 
-def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool):
-    """(q, q^T, inverse scale) through the cast-transpose op. Delayed scaling reads its scale from the
-    history and records the amax the op found in the same pass, so no pass waits for an amax; dynamic
-    scaling still needs this tensor's amax first."""
-    source = _history_amax(history, dtype) if history is not None and use_history else amax(t)
+def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool,
+                 act: str = "none", h: torch.Tensor | None = None):
+    """(q, q^T, inverse scale) of act(t) through the cast-transpose op. Delayed scaling reads its scale
+    from the history and records the amax the op found in the same pass, so no pass waits for an amax;
+    dynamic scaling still needs this tensor's amax first."""
+    source = _history_amax(history, dtype) if history is not None and use_history else amax(activate(t, act, h))
     s = fp8_scale(dtype, source)
-    q, qt, current = cast_transpose(t, s, dtype)
+    q, qt, current = cast_transpose(t, s, dtype, act, h)
     if history is not None:
         _record(history, current)
     return q, qt, s.reciprocal()
@@ -134,6 +142,46 @@ class _Fp8Matmul(torch.autograd.Function):
         return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None, None, None, None, None
 
 
+class _Fp8MLP(torch.autograd.Function):
+    """y = relu(x W1^T)^2 W2^T with four FP8 GEMMs and the squared ReLU inside the casts (cast op's
+    `srelu` forward, `srelu_grad` backward). Saved for backward: x^T and a^T in FP8 (a = relu(h)^2) and
+    the hidden h in bf16, which the compiled unfused MLP saves too."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, out_dtype, fast_fwd, fast_bwd, x_hist, h_hist, a_hist, g_hist, use_history):
+        x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
+        xq, xqt, xs = _kernel_cast(x2, E4M3, x_hist, use_history)
+        w1q, w1s = quantize_fp8(w1, E4M3)
+        h = torch._scaled_mm(xq, w1q.t(), scale_a=xs, scale_b=w1s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        aq, aqt, as_ = _kernel_cast(h, E4M3, a_hist, use_history, "srelu")
+        w2q, w2s = quantize_fp8(w2, E4M3)
+        y = torch._scaled_mm(aq, w2q.t(), scale_a=as_, scale_b=w2s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        ctx.save_for_backward(xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s)
+        ctx.fast_bwd, ctx.hists, ctx.use_history = fast_bwd, (h_hist, g_hist), use_history
+        ctx.dtypes = (x.dtype, w1.dtype, w2.dtype)
+        return y.reshape(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s = ctx.saved_tensors
+        (h_hist, g_hist), use = ctx.hists, ctx.use_history
+        xdt, w1dt, w2dt = ctx.dtypes
+        g2 = gy.reshape(-1, gy.shape[-1])
+        gq, gqt, gs = _kernel_cast(g2, E5M2, g_hist, use)
+        ga = torch._scaled_mm(gq, _col_major(w2q), scale_a=gs, scale_b=w2s, out_dtype=h.dtype,
+                              use_fast_accum=ctx.fast_bwd)
+        gw2 = torch._scaled_mm(gqt, aqt.t(), scale_a=gs, scale_b=as_, out_dtype=torch.float32,
+                               use_fast_accum=ctx.fast_bwd)
+        # dL/dh = dL/da * 2 relu(h), cast straight to e5m2 for the first GEMM's gradients
+        hq, hqt, hs = _kernel_cast(ga, E5M2, h_hist, use, "srelu_grad", h)
+        gx = torch._scaled_mm(hq, _col_major(w1q), scale_a=hs, scale_b=w1s, out_dtype=gy.dtype,
+                              use_fast_accum=ctx.fast_bwd)
+        gw1 = torch._scaled_mm(hqt, xqt.t(), scale_a=hs, scale_b=xs, out_dtype=torch.float32,
+                               use_fast_accum=ctx.fast_bwd)
+        return (gx.reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt),
+                None, None, None, None, None, None, None, None)
+
+
 class Fp8Linear(ConvertedLinear):
     fast_fwd, fast_bwd = True, False
     cast_kernel = False  # True: casts through the cast-transpose op (fp8_cast.py), False: inline
@@ -149,14 +197,19 @@ class Fp8Linear(ConvertedLinear):
             self.register_buffer("g_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
             self.calibrated = False
 
+    def scaling_state(self):
+        """((input history, output-gradient history), use them) for this forward: (None, None) under
+        dynamic scaling and in evaluation (no grad), which leaves the training histories alone."""
+        if self.history_len and torch.is_grad_enabled():
+            use_history = self.calibrated
+            self.calibrated = True  # the first step scales dynamically and starts the histories
+            return (self.x_amax_history, self.g_amax_history), use_history
+        return (None, None), False
+
     def forward(self, x):
         if not low_precision_enabled():
             return super().forward(x)
-        if self.history_len and torch.is_grad_enabled():
-            hists, use_history = (self.x_amax_history, self.g_amax_history), self.calibrated
-            self.calibrated = True  # the first step scales dynamically and starts the histories
-        else:  # dynamic scaling; evaluation (no grad) leaves the training histories alone
-            hists, use_history = (None, None), False
+        hists, use_history = self.scaling_state()
         # the transposed copies serve only the backward, so evaluation casts inline
         kernel = self.cast_kernel and torch.is_grad_enabled()
         y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *hists, use_history,
@@ -164,14 +217,42 @@ class Fp8Linear(ConvertedLinear):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
+class Fp8MLP(nn.Module):
+    """A relu^2 MLP whose two Fp8Linears run as one `_Fp8MLP` while training (the squared ReLU inside
+    the cast op). Same children, same parameter names, same delayed-scaling histories (c_fc's input and
+    hidden gradient, c_proj's input and output gradient) as the unfused MLP; evaluation runs the
+    children one by one."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
+
+    def forward(self, x):
+        fc, proj = self.c_fc, self.c_proj
+        if not (low_precision_enabled() and torch.is_grad_enabled()):
+            return proj(F.relu(fc(x)).square())
+        (x_hist, h_hist), use_fc = fc.scaling_state()
+        (a_hist, g_hist), use_proj = proj.scaling_state()
+        return _Fp8MLP.apply(x, fc.weight, proj.weight, matmul_dtype(x), fc.fast_fwd, fc.fast_bwd,
+                             x_hist, h_hist, a_hist, g_hist, use_fc and use_proj)
+
+
+def _fusable_mlp(module: nn.Module) -> bool:
+    """A relu^2 MLP (it says so) of two bias-free Fp8Linears that cast through the op."""
+    children = [getattr(module, name, None) for name in ("c_fc", "c_proj")]
+    return getattr(module, "activation", None) == "relu2" and all(
+        isinstance(c, Fp8Linear) and c.cast_kernel and c.bias is None for c in children)
+
+
 class Fp8Backend(PrecisionBackend):
     """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none; scaling = dynamic
     (default: each tensor by its own amax) | delayed (activations and gradients by the largest amax of
     the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic); cast = kernel
-    (default: the cast-transpose op) | inline (casts fused by torch.compile)."""
+    (default: the cast-transpose op) | inline (casts fused by torch.compile); mlp = fused (default: with
+    cast = kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
-    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel"}
+    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel", "mlp": "fused"}
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
@@ -181,13 +262,15 @@ class Fp8Backend(PrecisionBackend):
         cfg = {**self.OPTIONS, **self.options}
         self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
         self.history_len = int(cfg["amax_history_len"])
-        self.cast = cfg["cast"]
+        self.cast, self.mlp = cfg["cast"], cfg["mlp"]
         if self.fast_accum not in FAST_ACCUM:
             raise ValueError(f"precision.fp8.fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
         if self.scaling not in SCALING:
             raise ValueError(f"precision.fp8.scaling must be one of {SCALING}, got {self.scaling!r}")
         if self.cast not in CAST:
             raise ValueError(f"precision.fp8.cast must be one of {CAST}, got {self.cast!r}")
+        if self.mlp not in MLP:
+            raise ValueError(f"precision.fp8.mlp must be one of {MLP}, got {self.mlp!r}")
         if self.history_len < 1:
             raise ValueError(f"precision.fp8.amax_history_len must be >= 1, got {self.history_len}")
 
@@ -220,6 +303,7 @@ class Fp8Backend(PrecisionBackend):
         opts = [f"fast_accum={self.fast_accum}"] if self.fast_accum != "forward" else []
         opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
         opts += [f"cast={self.cast}"] if self.cast != self.OPTIONS["cast"] else []
+        opts += [f"mlp={self.mlp}"] if self.cast == "kernel" and self.mlp != self.OPTIONS["mlp"] else []
         return f"{self.name}[{','.join(opts)}]" if opts else self.name
 
     def sync_ranks(self, model: nn.Module) -> None:
@@ -238,4 +322,9 @@ class Fp8Backend(PrecisionBackend):
         kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
                   history_len=self.history_len if self.scaling == "delayed" else 0, cast_kernel=self.cast == "kernel")
         self.converted = swap_linears(model, self.layer_filter, lambda lin: Fp8Linear.from_linear(lin, **kw))
+        if self.cast == "kernel" and self.mlp == "fused":  # inline casts: the compiler fuses the MLP itself
+            for name, mod in list(model.named_modules()):
+                if name and _fusable_mlp(mod):
+                    parent, _, child = name.rpartition(".")
+                    setattr(model.get_submodule(parent), child, Fp8MLP(mod))
         return model

@@ -10,12 +10,17 @@ compiler: on CUDA a Triton kernel reads a tile once, scales, saturates and round
 twice (as is and transposed, both coalesced); elsewhere the same arithmetic in plain torch. The
 producer then writes an ordinary bf16 tensor, which costs one extra read and write of it.
 
-Op: `sparkchat::fp8_cast_transpose(x, scale, fmt) -> (q, q^T, amax)`, with q = saturate(x * scale) in
-`fmt` (e4m3 or e5m2), q^T contiguous and amax = max |x| from the same pass, which is all delayed
-scaling needs: its scale comes from earlier steps, so nothing waits for a separate amax pass. Both
-implementations round to nearest even and agree bit for bit (tests/test_fp8_cast.py, on a GPU). The
-kernel takes bf16/fp16 input; fp32 takes the torch path (see the note in the op). One difference: the
-kernel's amax skips NaN, torch's returns NaN; q holds the NaN in both.
+Op: `sparkchat::fp8_cast_transpose(x, scale, fmt, act, h) -> (q, q^T, amax)`, with q = saturate(
+act(x) * scale) in `fmt` (e4m3 or e5m2), q^T contiguous and amax = max |act(x)| from the same pass,
+which is all delayed scaling needs: its scale comes from earlier steps, so nothing waits for a
+separate amax pass. `act` lets the MLP's squared ReLU ride along instead of costing a pass of its own:
+    none        act(x) = x
+    srelu       act(x) = relu(x)^2                 (x: the first MLP GEMM's output)
+    srelu_grad  act(x) = x * 2 relu(h)             (x: the gradient of relu(h)^2, h: that same output)
+all in FP32 from the 16-bit input. Both implementations round to nearest even and agree bit for bit
+(tests/test_fp8_cast.py, on a GPU). The kernel takes bf16/fp16 input; fp32 takes the torch path (see
+the note in the op). One difference: the kernel's amax skips NaN, torch's returns NaN; q holds the NaN
+in both.
 """
 from __future__ import annotations
 
@@ -33,76 +38,110 @@ except ImportError:  # CPU-only installs have no Triton; the torch implementatio
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FORMAT_NAMES = {dtype: name for name, dtype in FP8_DTYPES.items()}
+ACTS = {"none": 0, "srelu": 1, "srelu_grad": 2}
 
 
-def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    q = scaled_cast(x, scale, dtype)
+def activate(x: torch.Tensor, act: str, h: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x) in FP32, the op's arithmetic in plain torch (also what dynamic scaling takes its amax of)."""
+    x = x.float()
+    if act == "srelu":
+        r = x.relu()
+        return r * r
+    if act == "srelu_grad":
+        return x * (2 * h.float().relu())
+    return x
+
+
+def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
+               h: torch.Tensor | None = None):
+    y = activate(x, act, h)
+    q = scaled_cast(y, scale, dtype)
     # clone, not contiguous(): for one row or column the transpose is already contiguous, and a custom
     # op's outputs may not alias each other
-    return q, q.t().clone(memory_format=torch.contiguous_format), amax(x)
+    return q, q.t().clone(memory_format=torch.contiguous_format), amax(y)
 
 
 if triton is not None:
+    # Tile shapes tried once per (M, N, act) on the first call; the best is kept. Bigger tiles mean
+    # longer contiguous byte runs in both FP8 writes and fewer atomics on the one amax word.
+    _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
+                for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
+                                  (64, 256, 8), (256, 64, 8))]
+
+    @triton.autotune(configs=_CONFIGS, key=["M", "N", "ACT"], reset_to_zero=["amax_ptr"])
     @triton.jit
-    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
-                               OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _cast_transpose_kernel(x_ptr, h_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
+                               ACT: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
         # int64 offsets: an output head's gradient (65,536 tokens x 65,536 vocab) passes 2^31 elements
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        offs = rows[:, None] * N + cols[None, :]
+        nan = tl.PropagateNan.ALL
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 1:  # relu(x)^2
+            r = tl.maximum(x, 0.0, propagate_nan=nan)
+            x = r * r
+        elif ACT == 2:  # x * 2 relu(h)
+            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x * (2 * tl.maximum(h, 0.0, propagate_nan=nan))
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax);
         # the amax above skips NaN, so one NaN does not poison delayed scaling's history
-        nan = tl.PropagateNan.ALL
         y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax, propagate_nan=nan), fmax, propagate_nan=nan)
         # stored as raw bytes: the transposed tile then goes through Triton's ordinary 8-bit-integer
         # transpose, and both writes are contiguous
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+        tl.store(q_ptr + offs, q, mask=mask)
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)  # built directly: not tl.trans of a bool tile
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
 
 
-def _triton_cast_transpose(x, scale, dtype):
+def _triton_cast_transpose(x, scale, dtype, act, h):
     M, N = x.shape
     q = torch.empty((M, N), dtype=dtype, device=x.device)
     qt = torch.empty((N, M), dtype=dtype, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    BM, BN = 64, 64
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
     out_dtype = tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
     # launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _cast_transpose_kernel[grid](x, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N,
-                                     fp8_max(dtype), OUT_DTYPE=out_dtype, BLOCK_M=BM, BLOCK_N=BN,
-                                     num_warps=4)
+        _cast_transpose_kernel[grid](x, x if h is None else h, scale, q.view(torch.uint8), qt.view(torch.uint8),
+                                     amax, M, N, fp8_max(dtype), ACT=ACTS[act], OUT_DTYPE=out_dtype)
     return q, qt, amax
 
 
 @torch.library.custom_op("sparkchat::fp8_cast_transpose", mutates_args=())
-def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor,
-                        fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, act: str,
+                        h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
     x = x.contiguous()
+    h = None if h is None else h.contiguous()
     # 16-bit inputs only (what the backend passes): with fp32 tiles the transposed copy came out wrong on
     # the H200 (Triton 3.6), so fp32 takes the torch path
-    if x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float16):
-        return _triton_cast_transpose(x, scale.float(), dtype)
-    return _reference(x, scale, dtype)
+    if x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float16) \
+            and (h is None or h.dtype == x.dtype):
+        return _triton_cast_transpose(x, scale.float(), dtype, act, h)
+    return _reference(x, scale, dtype, act, h)
 
 
 @_fp8_cast_transpose.register_fake
-def _(x, scale, fmt):
+def _(x, scale, fmt, act, h):
     dtype = FP8_DTYPES[fmt]
     M, N = x.shape
     return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """(q, q^T contiguous, amax(|x|)) of a 2-D tensor: q = saturate(x * scale) in FP8 `dtype`, all in
-    one pass over x (the amax feeds delayed scaling's history)."""
-    return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), FORMAT_NAMES[dtype])
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
+                   h: torch.Tensor | None = None):
+    """(q, q^T contiguous, amax(|act(x)|)) of a 2-D tensor: q = saturate(act(x) * scale) in FP8 `dtype`,
+    all in one pass over x (the amax feeds delayed scaling's history). `h`: srelu_grad's second input."""
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
+    if (h is not None) != (act == "srelu_grad") or (h is not None and h.shape != x.shape):
+        raise ValueError("h (of x's shape) goes with act='srelu_grad' and only with it")
+    return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), FORMAT_NAMES[dtype], act, h)
 
 
 def triton_available() -> bool:

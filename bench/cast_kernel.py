@@ -1,0 +1,80 @@
+"""The fp8 cast-transpose kernel's tile shapes, timed against a bf16 copy of the same tensor (CUDA).
+
+A bf16 copy reads and writes 2 bytes an element, as the cast does (2 bytes in, 1 + 1 out; srelu_grad
+reads 2 more), so `vs copy` is how close each tile shape gets to what the memory allows, in one run.
+Shapes: the d20 model's casts at 65,536 tokens per micro-step (widths 1280, 3840, 5120; the MLP's
+hidden width with the fused squared ReLU forward and backward). The last row per shape is the tile
+shape Triton's autotuner picked for the op.
+
+    python -m bench.cast_kernel [--tokens 65536] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from model.precision import fp8_cast
+
+from .train_step import cuda_time
+
+SHAPES = [(1280, "none"), (3840, "none"), (5120, "none"), (5120, "srelu"), (5120, "srelu_grad")]
+
+
+def run(tokens: int, iters: int = 20, log=print) -> list[dict]:
+    import triton
+    import triton.language as tl
+
+    kernel = fp8_cast._cast_transpose_kernel  # the autotuner; .fn is the plain kernel
+    rows = []
+    for n, act in SHAPES:
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn_like(x) if act == "srelu_grad" else None
+        scale = torch.tensor(2.0, device="cuda")
+        q = torch.empty(tokens, n, device="cuda", dtype=torch.uint8)
+        qt = torch.empty(n, tokens, device="cuda", dtype=torch.uint8)
+        am = torch.zeros((), device="cuda")
+        bytes_moved = x.numel() * (2 + 2 + (2 if h is not None else 0))
+        copy_ms = statistics.median(cuda_time(lambda: x.clone(), iters, 3))
+
+        def row(name, ms):
+            rows.append({"shape": f"{tokens}x{n}", "act": act, "variant": name, "ms": round(ms, 4),
+                         "GB/s": round(bytes_moved / ms / 1e6), "vs copy": round(copy_ms / ms, 3)})
+            log(f"{tokens}x{n} {act:10s} {name:22s} {ms:7.3f} ms  {bytes_moved / ms / 1e6:6.0f} GB/s  "
+                f"{copy_ms / ms:.3f}x copy")
+
+        row("bf16 copy (reference)", copy_ms)
+        for cfg in kernel.configs:
+            bm, bn, warps = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps
+            grid = (triton.cdiv(tokens, bm), triton.cdiv(n, bn))
+
+            def call():
+                kernel.fn[grid](x, x if h is None else h, scale, q, qt, am, tokens, n, 448.0,
+                                ACT=fp8_cast.ACTS[act], OUT_DTYPE=tl.float8e4nv, BLOCK_M=bm, BLOCK_N=bn,
+                                num_warps=warps)
+            row(f"{bm}x{bn}, {warps} warps", statistics.median(cuda_time(call, iters, 3)))
+        op_ms = statistics.median(cuda_time(
+            lambda: fp8_cast.cast_transpose(x, scale, torch.float8_e4m3fn, act, h), iters, 3))
+        best = kernel.best_config
+        row(f"op, autotuned: {best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}, {best.num_warps} warps", op_ms)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out")
+    a = p.parse_args()
+    assert torch.cuda.is_available() and fp8_cast.triton_available(), "needs a CUDA GPU with Triton"
+    rows = run(a.tokens, a.iters)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "cast_kernel.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
