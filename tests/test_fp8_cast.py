@@ -233,11 +233,35 @@ def test_triton_kernel_matches_reference_gpu():
         _check_op("cuda", x_dtype)
 
 
+def _check_every_tile_shape():
+    """Large tensors take the autotuner's pick, so every tile shape it may pick must be right: each on
+    a shape that ends mid-tile in both dimensions, for the casts training makes."""
+    import triton
+    import triton.language as tl
+    kernel = fp8_cast._cast_transpose_kernel
+    x = _hard_input(130, 200, torch.bfloat16, "cuda")
+    h = _hard_input(130, 200, torch.bfloat16, "cuda").flip(1) / 8
+    for cfg in kernel.configs:
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        for act, fmt, out in (("none", torch.float8_e4m3fn, tl.float8e4nv), ("srelu", torch.float8_e4m3fn, tl.float8e4nv),
+                              ("srelu_grad", torch.float8_e5m2, tl.float8e5)):
+            hh = h if act == "srelu_grad" else None
+            q, qt = torch.empty(130, 200, dtype=fmt, device="cuda"), torch.empty(200, 130, dtype=fmt, device="cuda")
+            am, scale = torch.zeros((), device="cuda"), torch.tensor(0.5, device="cuda")
+            kernel.fn[(triton.cdiv(130, bm), triton.cdiv(200, bn))](
+                x, x if hh is None else hh, scale, _bits(q), _bits(qt), am, 130, 200, torch.finfo(fmt).max,
+                ACT=fp8_cast.ACTS[act], OUT_DTYPE=out, BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps)
+            r, rt, ram = fp8_cast._reference(x, scale, fmt, act, hh)
+            assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)) and am.item() == ram.item(), \
+                f"tile {bm}x{bn} ({cfg.num_warps} warps), {act}"
+
+
 if __name__ == "__main__":  # the GPU machine has no pytest
     assert torch.cuda.is_available() and fp8_cast.triton_available(), "needs a CUDA GPU with Triton"
     for x_dtype in (torch.bfloat16, torch.float16):
         _check_op("cuda", x_dtype)
-    big = torch.randn(65536, 32784, device="cuda", dtype=torch.bfloat16)  # 2^31 + 2^20 elements
+    _check_every_tile_shape()
+    big = torch.randn(65536, 32784, device="cuda", dtype=torch.bfloat16)  # 2^31 + 2^20 elements (autotuned)
     q, qt, _ = fp8_cast.cast_transpose(big, torch.tensor(8.0, device="cuda"), torch.float8_e4m3fn)
     r, rt, _ = fp8_cast._reference(big, torch.tensor(8.0, device="cuda"), torch.float8_e4m3fn)
     assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)), "differs past 2^31 elements"

@@ -68,6 +68,8 @@ if triton is not None:
                 for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
                                   (64, 256, 8), (256, 64, 8))]
 
+    SMALL, SMALL_CONFIG = 1 << 22, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)
+
     @triton.autotune(configs=_CONFIGS, key=["M", "N", "ACT"], reset_to_zero=["amax_ptr"])
     @triton.jit
     def _cast_transpose_kernel(x_ptr, h_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
@@ -104,11 +106,15 @@ def _triton_cast_transpose(x, scale, dtype, act, h):
     qt = torch.empty((N, M), dtype=dtype, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-    out_dtype = tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
+    args = (x, x if h is None else h, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N, fp8_max(dtype))
+    kw = dict(ACT=ACTS[act], OUT_DTYPE=tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5)
+    if M * N < SMALL:  # not worth a tuning run: one fixed tile shape
+        kernel, kw = _cast_transpose_kernel.fn, dict(kw, **SMALL_CONFIG)
+    else:
+        kernel = _cast_transpose_kernel
     # launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _cast_transpose_kernel[grid](x, x if h is None else h, scale, q.view(torch.uint8), qt.view(torch.uint8),
-                                     amax, M, N, fp8_max(dtype), ACT=ACTS[act], OUT_DTYPE=out_dtype)
+        kernel[grid](*args, **kw)
     return q, qt, amax
 
 
