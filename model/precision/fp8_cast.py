@@ -80,18 +80,17 @@ if triton is not None:
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
-        nan = tl.PropagateNan.ALL
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if ACT == 1:  # relu(x)^2
-            r = tl.maximum(x, 0.0, propagate_nan=nan)
+            r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
             x = r * r
         elif ACT == 2:  # x * 2 relu(h)
             h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = x * (2 * tl.maximum(h, 0.0, propagate_nan=nan))
+            x = x * (2 * tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL))
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax);
         # the amax above skips NaN, so one NaN does not poison delayed scaling's history
-        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax, propagate_nan=nan), fmax, propagate_nan=nan)
+        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax, propagate_nan=tl.PropagateNan.ALL), fmax, propagate_nan=tl.PropagateNan.ALL)
         # stored as raw bytes: the transposed tile then goes through Triton's ordinary 8-bit-integer
         # transpose, and both writes are contiguous
         q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
