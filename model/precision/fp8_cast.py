@@ -47,8 +47,9 @@ def activate(x: torch.Tensor, act: str, h: torch.Tensor | None = None) -> torch.
     if act == "srelu":
         r = x.relu()
         return r * r
-    if act == "srelu_grad":
-        return x * (2 * h.float().relu())
+    if act == "srelu_grad":  # h > 0 selects as relu's backward does; a -0.0 in h gives +0, as in the kernel
+        h = h.float()
+        return x * (2 * torch.where(h > 0, h, 0.0))
     return x
 
 
@@ -86,7 +87,7 @@ if triton is not None:
             x = r * r
         elif ACT == 2:  # x * 2 relu(h)
             h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = x * (2 * tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL))
+            x = x * (2 * tl.where(h > 0, h, 0.0))
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax);
         # the amax above skips NaN, so one NaN does not poison delayed scaling's history
