@@ -238,24 +238,29 @@ def test_triton_kernel_matches_reference_gpu():
 def _check_every_tile_shape():
     """Large tensors take the autotuner's pick, so every tile shape it may pick must be right: each on
     a shape that ends mid-tile in both dimensions, for the casts training makes."""
+    kernel = fp8_cast._cast_transpose_kernel
+    for M, N in ((130, 200), (64, 64), (256, 384)):  # mid-tile ends; multiples of 16 (64x64 failed a version)
+        _check_tile_shapes(kernel, M, N)
+
+
+def _check_tile_shapes(kernel, M, N):
     import triton
     import triton.language as tl
-    kernel = fp8_cast._cast_transpose_kernel
-    x = _hard_input(130, 200, torch.bfloat16, "cuda")
-    h = _hard_input(130, 200, torch.bfloat16, "cuda").flip(1) / 8
+    x = _hard_input(M, N, torch.bfloat16, "cuda")
+    h = _hard_input(M, N, torch.bfloat16, "cuda").flip(1) / 8
     for cfg in kernel.configs:
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         for act, fmt, out in (("none", torch.float8_e4m3fn, tl.float8e4nv), ("srelu", torch.float8_e4m3fn, tl.float8e4nv),
                               ("srelu_grad", torch.float8_e5m2, tl.float8e5)):
             hh = h if act == "srelu_grad" else None
-            q, qt = torch.empty(130, 200, dtype=fmt, device="cuda"), torch.empty(200, 130, dtype=fmt, device="cuda")
+            q, qt = torch.empty(M, N, dtype=fmt, device="cuda"), torch.empty(N, M, dtype=fmt, device="cuda")
             am, scale = torch.zeros((), device="cuda"), torch.tensor(0.5, device="cuda")
-            kernel.fn[(triton.cdiv(130, bm), triton.cdiv(200, bn))](
-                x, x if hh is None else hh, scale, _bits(q), _bits(qt), am, 130, 200, torch.finfo(fmt).max,
+            kernel.fn[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                x, x if hh is None else hh, scale, _bits(q), _bits(qt), am, M, N, torch.finfo(fmt).max,
                 ACT=fp8_cast.ACTS[act], OUT_DTYPE=out, BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps)
             r, rt, ram = fp8_cast._reference(x, scale, fmt, act, hh)
             assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)) and am.item() == ram.item(), \
-                f"tile {bm}x{bn} ({cfg.num_warps} warps), {act}"
+                f"tile {bm}x{bn} ({cfg.num_warps} warps), {act}, {M}x{N}"
 
 
 if __name__ == "__main__":  # the GPU machine has no pytest

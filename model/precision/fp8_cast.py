@@ -71,6 +71,25 @@ if triton is not None:
 
     SMALL, SMALL_CONFIG = 1 << 22, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)
 
+    @triton.jit
+    def _activated(x_ptr, h_ptr, offs, mask, ACT: tl.constexpr):
+        """act(x) in FP32 for one tile of offsets."""
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 1:  # relu(x)^2
+            r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            x = r * r
+        elif ACT == 2:  # x * 2 relu(h)
+            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x * (2 * tl.where(h > 0, h, 0.0))
+        return x
+
+    @triton.jit
+    def _to_fp8_bytes(x, scale, fmax, OUT_DTYPE: tl.constexpr):
+        # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax)
+        y = tl.minimum(tl.maximum(x * scale, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                       propagate_nan=tl.PropagateNan.ALL)
+        return y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)  # stored as raw bytes
+
     @triton.autotune(configs=_CONFIGS, key=["M", "N", "ACT"], reset_to_zero=["amax_ptr"])
     @triton.jit
     def _cast_transpose_kernel(x_ptr, h_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
@@ -79,25 +98,20 @@ if triton is not None:
         # int64 offsets: an output head's gradient (65,536 tokens x 65,536 vocab) passes 2^31 elements
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        scale = tl.load(scale_ptr)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 1:  # relu(x)^2
-            r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
-            x = r * r
-        elif ACT == 2:  # x * 2 relu(h)
-            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = x * (2 * tl.where(h > 0, h, 0.0))
+        x = _activated(x_ptr, h_ptr, offs, mask, ACT)
+        # the amax skips NaN, so one NaN does not poison delayed scaling's history
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        # saturate as torch's clamp does, NaN staying NaN (a NaN gradient must not turn into +-fmax);
-        # the amax above skips NaN, so one NaN does not poison delayed scaling's history
-        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fmax, propagate_nan=tl.PropagateNan.ALL), fmax, propagate_nan=tl.PropagateNan.ALL)
-        # stored as raw bytes: the transposed tile then goes through Triton's ordinary 8-bit-integer
-        # transpose, and both writes are contiguous
-        q = y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + offs, q, mask=mask)
-        mask_t = (cols[:, None] < N) & (rows[None, :] < M)  # built directly: not tl.trans of a bool tile
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
+        tl.store(q_ptr + offs, _to_fp8_bytes(x, scale, fmax, OUT_DTYPE), mask=mask)
+        # The transposed copy: the same tile read again (from L2) as a (cols, rows) tile and cast again,
+        # so no FP8 tile is transposed in registers. Transposing the cast tile (tl.trans, or a store
+        # through transposed pointers) gave wrong bytes on the H200 with Triton 3.6 for some inputs
+        # (fp32 tiles; x * 2 relu(h) at 64x64): bench/gpu/transpose_variants.py.
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+        xt = _activated(x_ptr, h_ptr, rows[None, :] * N + cols[:, None], mask_t, ACT)
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8_bytes(xt, scale, fmax, OUT_DTYPE), mask=mask_t)
 
 
 def _triton_cast_transpose(x, scale, dtype, act, h):
