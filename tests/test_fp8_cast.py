@@ -61,7 +61,11 @@ def _check_op(device, x_dtype):
             for act, hh in (("srelu", None), ("srelu_grad", h)):
                 q, qt, am = fp8_cast.cast_transpose(x, scale, fmt, act, hh)
                 r, rt, ram = fp8_cast._reference(x, scale, fmt, act, hh)
-                assert am.item() == ram.item() == fp8_cast.activate(x, act, hh).abs().max().item(), act
+                a = fp8_cast.activate(x, act, hh).abs()
+                if a.isnan().any():  # fp16's inf (from 1e6) times 0: the kernel's amax skips NaN, torch's keeps it
+                    assert ram.isnan() and (am.isnan() or am.item() == a.nan_to_num(nan=0).max().item()), act
+                else:
+                    assert am.item() == ram.item() == a.max().item(), act
                 bad = (_bits(q) != _bits(r)).nonzero()[:3].tolist()
                 assert not bad and torch.equal(_bits(qt), _bits(rt)), f"{fmt} {act} differs at {rows}x{cols}: " + \
                     ", ".join(f"x={x[i, j].item()} h={None if hh is None else hh[i, j].item()} kernel "
