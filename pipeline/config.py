@@ -110,6 +110,8 @@ class Fp8Params:
     """delayed scaling: how many steps of amax the scale looks back over."""
     cast: str = "kernel"
     """kernel (one cast-transpose op per tensor: Triton on CUDA) | inline (casts left to torch.compile)."""
+    mlp: str = "fused"
+    """fused (with cast: kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear."""
 
 
 @dataclass
@@ -164,6 +166,7 @@ class PrecisionParams:
         _choice(self.fp8.fast_accum, ("forward", "all", "none"), f"{key}.fp8.fast_accum")
         _choice(self.fp8.scaling, ("dynamic", "delayed"), f"{key}.fp8.scaling")
         _choice(self.fp8.cast, ("inline", "kernel"), f"{key}.fp8.cast")
+        _choice(self.fp8.mlp, ("fused", "linear"), f"{key}.fp8.mlp")
         _positive(self.fp8, f"{key}.fp8", "amax_history_len")
         _positive(self.layer_filter, f"{key}.layer_filter", "dim_multiple")
         if self.nvfp4.bf16_last_blocks < 0:

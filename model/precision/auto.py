@@ -7,11 +7,11 @@ Choice, in order:
    Entries probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers
    than the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, which is what the
-   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03c and -03d): fp8 with delayed
-   scaling through the cast-transpose kernel first (1.196x its run's bf16; needs only torch and, for
-   the kernel, Triton, else its casts go inline), then te-fp8 with delayed scaling and fused MLPs
-   (1.17x its run's bf16; needs Transformer Engine), then bf16. The two FP8 entries were never probed
-   in one run and are within 2.2% of each other, so their order is the weaker claim. NVFP4 is never
+   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03c and -03e): fp8 with delayed
+   scaling through the cast-transpose kernel and fused MLPs first (1.236x its run's bf16; needs only
+   torch and, for the kernel, Triton, else its casts go inline), then te-fp8 with delayed scaling and
+   fused MLPs (1.17x its run's bf16; needs Transformer Engine), then bf16. The two FP8 entries were
+   never probed in one run; in absolute time fp8 was 349 ms a micro-step, te-fp8 359. NVFP4 is never
    chosen without a probe (its loss needs checking first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """

@@ -38,9 +38,9 @@ scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multip
 Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe: the activation and
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
 wait for this step's amax. With `cast: kernel` that removes the separate amax passes over activations
-and gradients (the op records the amax it finds while casting; the small weights keep theirs): the
-fastest fp8 measured, 1.196x bf16 at d20 on the H200, where dynamic inline casts got 1.11x in another
-run (bench/results/README.md). With inline casts delayed scaling bought nothing. The
+and gradients (the op records the amax it finds while casting; the small weights keep theirs). On
+the H200 at d20, with the fused MLP, one run: delayed 1.236x bf16, dynamic 1.181x (bench/results/
+README.md); dynamic inline casts got 1.11x in another. With inline casts delayed scaling bought nothing. The
 first step (and the first after a resume) scales dynamically. Under data parallelism the histories
 are reduced to their maximum over ranks every step (`sync_ranks`).
 
