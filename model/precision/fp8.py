@@ -96,7 +96,10 @@ def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | No
     """(q, q^T, inverse scale) of act(t) through the cast-transpose op. Delayed scaling reads its scale
     from the history and records the amax the op found in the same pass, so no pass waits for an amax;
     dynamic scaling still needs this tensor's amax first."""
-    source = _history_amax(history, dtype) if history is not None and use_history else amax(activate(t, act, h))
+    if history is not None and use_history:
+        source = _history_amax(history, dtype)
+    else:  # no FP32 copy of a plain tensor just for its amax
+        source = amax(t) if act == "none" else amax(activate(t, act, h))
     s = fp8_scale(dtype, source)
     q, qt, current = cast_transpose(t, s, dtype, act, h)
     if history is not None:

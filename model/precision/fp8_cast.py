@@ -1,4 +1,4 @@
-"""FP8 cast with a transposed copy in one pass: what each FP8 Linear's backward needs.
+"""FP8 cast with a transposed copy in one kernel: what each FP8 Linear's backward needs.
 
 Hopper's FP8 GEMM takes only K-major operands, so the weight-gradient GEMM dW = dy^T @ x needs dy and
 x stored transposed (tokens contiguous) next to the row-major copies the other GEMMs use. Left to
@@ -6,9 +6,10 @@ torch.compile, the cast and the transposed write land inside whatever kernel pro
 (QK-norm/RoPE backward, squared-ReLU backward), whose iteration order suits the row-major write only:
 on the H200 at d20 the two largest took 33.0 and 21.5 ms of a 367 ms micro-step, several times what
 their memory traffic needs (bench/results/README.md). Here the cast is one custom op, opaque to the
-compiler: on CUDA a Triton kernel reads a tile once, scales, saturates and rounds it, and writes it
-twice (as is and transposed, both coalesced); elsewhere the same arithmetic in plain torch. The
-producer then writes an ordinary bf16 tensor, which costs one extra read and write of it.
+compiler: on CUDA a Triton kernel reads a tile from memory, scales, saturates and rounds it, and
+writes it twice (as is and transposed, both coalesced; the transposed copy from a second read of the
+same tile, which L2 serves); elsewhere the same arithmetic in plain torch. The producer then writes an
+ordinary bf16 tensor, which costs one extra read and write of it.
 
 Op: `sparkchat::fp8_cast_transpose(x, scale, fmt, act, h) -> (q, q^T, amax)`, with q = saturate(
 act(x) * scale) in `fmt` (e4m3 or e5m2), q^T contiguous and amax = max |act(x)| from the same pass,
@@ -16,7 +17,7 @@ which is all delayed scaling needs: its scale comes from earlier steps, so nothi
 separate amax pass. `act` lets the MLP's squared ReLU ride along instead of costing a pass of its own:
     none        act(x) = x
     srelu       act(x) = relu(x)^2                 (x: the first MLP GEMM's output)
-    srelu_grad  act(x) = x * 2 relu(h)             (x: the gradient of relu(h)^2, h: that same output)
+    srelu_grad  act(x) = x * 2h where h > 0, else 0 (x: the gradient of relu(h)^2, h: that same output)
 all in FP32 from the 16-bit input. Both implementations round to nearest even and agree bit for bit
 (tests/test_fp8_cast.py, on a GPU). The kernel takes bf16/fp16 input; fp32 takes the torch path (see
 the note in the op). One difference: the kernel's amax skips NaN, torch's returns NaN; q holds the NaN
@@ -47,9 +48,9 @@ def activate(x: torch.Tensor, act: str, h: torch.Tensor | None = None) -> torch.
     if act == "srelu":
         r = x.relu()
         return r * r
-    if act == "srelu_grad":  # h > 0 selects as relu's backward does; a -0.0 in h gives +0, as in the kernel
-        h = h.float()
-        return x * (2 * torch.where(h > 0, h, 0.0))
+    if act == "srelu_grad":  # selected as autograd's relu backward does: exactly 0 where h <= 0, even for
+        h = h.float()        # an inf or NaN gradient, and NaN where h is NaN
+        return torch.where(h <= 0, 0.0, x * (2 * h))
     return x
 
 
@@ -78,9 +79,9 @@ if triton is not None:
         if ACT == 1:  # relu(x)^2
             r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
             x = r * r
-        elif ACT == 2:  # x * 2 relu(h)
+        elif ACT == 2:  # x * 2h where h > 0, else 0 (see activate)
             h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = x * (2 * tl.where(h > 0, h, 0.0))
+            x = tl.where(h <= 0, 0.0, x * (2 * h))
         return x
 
     @triton.jit
@@ -107,8 +108,9 @@ if triton is not None:
         tl.store(q_ptr + offs, _to_fp8_bytes(x, scale, fmax, OUT_DTYPE), mask=mask)
         # The transposed copy: the same tile read again (from L2) as a (cols, rows) tile and cast again,
         # so no FP8 tile is transposed in registers. Transposing the cast tile (tl.trans, or a store
-        # through transposed pointers) gave wrong bytes on the H200 with Triton 3.6 for some inputs
-        # (fp32 tiles; x * 2 relu(h) at 64x64): bench/gpu/transpose_variants.py.
+        # through transposed pointers) gave wrong transposed bytes on the H200 with Triton 3.6 in two
+        # cases we hit (fp32 tiles; srelu_grad at 64x64), cause not found; this way was right in every
+        # case tried (bench/gpu/transpose_variants.py) and in the GPU test.
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
         xt = _activated(x_ptr, h_ptr, rows[None, :] * N + cols[:, None], mask_t, ACT)
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8_bytes(xt, scale, fmax, OUT_DTYPE), mask=mask_t)
@@ -156,7 +158,7 @@ def _(x, scale, fmt, act, h):
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
                    h: torch.Tensor | None = None):
     """(q, q^T contiguous, amax(|act(x)|)) of a 2-D tensor: q = saturate(act(x) * scale) in FP8 `dtype`,
-    all in one pass over x (the amax feeds delayed scaling's history). `h`: srelu_grad's second input."""
+    all in one kernel on CUDA (the amax feeds delayed scaling's history). `h`: srelu_grad's second input."""
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
     if (h is not None) != (act == "srelu_grad") or (h is not None and h.shape != x.shape):
