@@ -63,6 +63,15 @@ def te_recipe_reason(recipe_key: str, class_name: str, min_cap, where: str, devi
     return None
 
 
+def _data_parallel_group():
+    """Under several ranks, the group TE reduces its amaxes over, so every rank scales alike (our fp8
+    does the same in `sync_ranks`); None on one process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 class TEFp8Backend(PrecisionBackend):
     """Options: recipe (delayed|current|block|mxfp8, default delayed), modules (linear|fused, default
     fused), amax_history_len and amax_compute_algo (delayed only), compile (true: compile block by block
@@ -124,7 +133,8 @@ class TEFp8Backend(PrecisionBackend):
         stack.enter_context(super().autocast(device))
         if self._recipe is None:
             self._recipe = self.make_recipe()
-        stack.enter_context(te.autocast(enabled=low_precision_enabled(), recipe=self._recipe))
+        stack.enter_context(te.autocast(enabled=low_precision_enabled(), recipe=self._recipe,
+                                        amax_reduction_group=_data_parallel_group()))
         return stack
 
     def notes(self, device):
