@@ -266,14 +266,9 @@ class Fp8Backend(PrecisionBackend):
         self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
         self.history_len = int(cfg["amax_history_len"])
         self.cast, self.mlp = cfg["cast"], cfg["mlp"]
-        if self.fast_accum not in FAST_ACCUM:
-            raise ValueError(f"precision.fp8.fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
-        if self.scaling not in SCALING:
-            raise ValueError(f"precision.fp8.scaling must be one of {SCALING}, got {self.scaling!r}")
-        if self.cast not in CAST:
-            raise ValueError(f"precision.fp8.cast must be one of {CAST}, got {self.cast!r}")
-        if self.mlp not in MLP:
-            raise ValueError(f"precision.fp8.mlp must be one of {MLP}, got {self.mlp!r}")
+        for key, choices in (("fast_accum", FAST_ACCUM), ("scaling", SCALING), ("cast", CAST), ("mlp", MLP)):
+            if cfg[key] not in choices:
+                raise ValueError(f"precision.fp8.{key} must be one of {choices}, got {cfg[key]!r}")
         if self.history_len < 1:
             raise ValueError(f"precision.fp8.amax_history_len must be >= 1, got {self.history_len}")
 
