@@ -3,8 +3,8 @@
 A bf16 copy reads and writes 2 bytes an element, as the cast does (2 bytes in, 1 + 1 out; srelu_grad
 reads 2 more), so `vs copy` is how close each tile shape gets to what the memory allows, in one run.
 Shapes: the d20 model's casts at 65,536 tokens per micro-step (widths 1280, 3840, 5120; the MLP's
-hidden width with the fused squared ReLU forward and backward). The last row per shape is the tile
-shape Triton's autotuner picked for the op.
+hidden width with the fused squared ReLU forward and backward). After the tile shapes: the op with the
+tile shape Triton's autotuner picked, then the power-of-two op with a right and a wrong guess.
 
     python -m bench.cast_kernel [--tokens 65536] [--out DIR]
 """
@@ -60,6 +60,12 @@ def run(tokens: int, iters: int = 20, log=print) -> list[dict]:
             lambda: fp8_cast.cast_transpose(x, scale, torch.float8_e4m3fn, act, h), iters, 3))
         best = kernel.best_config
         row(f"op, autotuned: {best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}, {best.num_warps} warps", op_ms)
+        # dynamic power-of-two scaling: a right guess should cost the op plus a tiny check, a wrong one a
+        # second cast
+        _, _, _, right = fp8_cast.cast_transpose_pow2(x, scale, torch.float8_e4m3fn, act, h)
+        for name, guess in (("pow2 op, right guess", right), ("pow2 op, wrong guess", right * 2)):
+            row(name, statistics.median(cuda_time(
+                lambda: fp8_cast.cast_transpose_pow2(x, guess, torch.float8_e4m3fn, act, h), iters, 3)))
     return rows
 
 

@@ -116,13 +116,64 @@ def test_op_activations_cpu():
             raise AssertionError(f"act={act} with h={hh is not None} was accepted")
 
 
-def _train_grads(cast, device, compiled, scaling="dynamic", steps=1):
+def _check_pow2_op(device, x_dtype=torch.bfloat16, shapes=((64, 64), (130, 200), (1, 48))):
+    """The guessing op gives, for any guess, bit for bit what an amax pass and a cast with
+    pow2_scale(amax) give; its scale is that power of two."""
+    from model.precision.formats import pow2_scale
+    for rows, cols in shapes:
+        x = _hard_input(rows, cols, x_dtype, device)
+        h = _hard_input(rows, cols, x_dtype, device).flip(0) / 8
+        for act, hh in (("none", None), ("srelu", None), ("srelu_grad", h)):
+            for fmt in FORMATS:
+                a = fp8_cast.activate(x, act, hh)
+                a = a[~a.isnan()].abs().max()
+                want = pow2_scale(fmt, a)
+                r, rt, _ = fp8_cast._reference(x, want, fmt, act, hh)
+                for guess in (want, want * 2, want / 2, torch.tensor(1.0), torch.tensor(0.0)):
+                    q, qt, am, s = fp8_cast.cast_transpose_pow2(x, guess.to(device), fmt, act, hh)
+                    assert s.item() == want.item() and am.item() == a.item(), (act, fmt, guess.item())
+                    assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)), \
+                        f"{fmt} {act} {rows}x{cols}, guess {guess.item()} (scale {want.item()})"
+
+
+def test_pow2_op_cpu():
+    _check_pow2_op("cpu", torch.float32)
+    _check_pow2_op("cpu", torch.bfloat16, ((8, 32),))
+    x = _hard_input(8, 32, torch.bfloat16, "cpu")
+    for args in ((x, torch.tensor(2.0), "e4m3", "none", None), (x, torch.tensor(0.5), "e5m2", "srelu_grad", x.flip(1))):
+        torch.library.opcheck(torch.ops.sparkchat.fp8_cast_transpose_pow2.default, args)
+
+
+def test_pow2_guesses_follow_the_scales_cpu():
+    """After a step, each guess is the scale that step used: the power of two for the tensor's amax."""
+    from model.precision.formats import E4M3, pow2_scale
+    net = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False))
+    backend = get_backend("fp8", {"pow2_scales": True}, LayerFilter(16, []))
+    backend.convert(net)
+    assert backend.label == "fp8[pow2]"
+    x = torch.randn(8, 32) * 5
+    with backend.autocast(torch.device("cpu")):
+        net(x).sum().backward()
+    assert net[0].x_scale_guess.item() == pow2_scale(E4M3, x.abs().max()).item()
+    assert net[0].g_scale_guess.item() == 2.0 ** 15  # the output gradient is all ones: 57344 = 1.75 * 2^15
+    with torch.no_grad(), backend.autocast(torch.device("cpu")):  # evaluation leaves the guesses alone
+        net(x * 100)
+    assert net[0].x_scale_guess.item() == pow2_scale(E4M3, x.abs().max()).item()
+
+
+# (scaling, steps, pow2_scales): delayed from its second step; power-of-two dynamic scaling through the
+# op guesses from its second step (and its inputs grow, so some guesses are wrong)
+SCALINGS = (("dynamic", 1, False), ("delayed", 3, False), ("dynamic", 3, True))
+
+
+def _train_grads(cast, device, compiled, scaling="dynamic", steps=1, pow2=False):
     """Outputs and gradients of the last of `steps` forward/backward passes (delayed scaling uses its
-    history from the second step on)."""
+    history from the second step on; power-of-two dynamic scaling through the op its guesses)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.ReLU(),
                               torch.nn.Linear(64, 32, bias=False)).to(device)
-    backend = get_backend("fp8", {"cast": cast, "scaling": scaling, "amax_history_len": 4}, LayerFilter(16, []))
+    backend = get_backend("fp8", {"cast": cast, "scaling": scaling, "amax_history_len": 4, "pow2_scales": pow2},
+                          LayerFilter(16, []))
     backend.convert(net)
     f = torch.compile(net) if compiled else net
     for step in range(steps):
@@ -140,13 +191,13 @@ def _train_grads(cast, device, compiled, scaling="dynamic", steps=1):
 def test_backend_same_results_through_the_op_cpu():
     """Same forward, input gradient and weight gradients, eager and compiled, bit for bit (on CPU the
     activations stay fp32 in both paths, so nothing but the op's placement differs)."""
-    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
-        ref = _train_grads("inline", "cpu", False, scaling, steps)
+    for scaling, steps, pow2 in SCALINGS:
+        ref = _train_grads("inline", "cpu", False, scaling, steps, pow2)
         for compiled in (False, True):
-            got = _train_grads("kernel", "cpu", compiled, scaling, steps)
+            got = _train_grads("kernel", "cpu", compiled, scaling, steps, pow2)
             assert len(got) == len(ref)
             for a, b in zip(got, ref):
-                assert torch.equal(a, b), (scaling, compiled)
+                assert torch.equal(a, b), (scaling, pow2, compiled)
 
 
 class _Wrap(torch.nn.Module):
@@ -161,10 +212,11 @@ class _Wrap(torch.nn.Module):
         return self.mlp(torch.nn.functional.rms_norm(x, (x.size(-1),)))
 
 
-def _mlp_grads(mlp_mode, device, compiled, scaling="dynamic", steps=1):
+def _mlp_grads(mlp_mode, device, compiled, scaling="dynamic", steps=1, pow2=False):
     torch.manual_seed(0)
     net = _Wrap(32).to(device)
-    backend = get_backend("fp8", {"scaling": scaling, "amax_history_len": 4, "mlp": mlp_mode}, LayerFilter(16, []))
+    backend = get_backend("fp8", {"scaling": scaling, "amax_history_len": 4, "mlp": mlp_mode, "pow2_scales": pow2},
+                          LayerFilter(16, []))
     backend.convert(net)
     f = torch.compile(net) if compiled else net
     for step in range(steps):
@@ -186,15 +238,15 @@ def test_fused_mlp_same_results_cpu():
     """The fused MLP gives the two Fp8Linears' outputs, gradients and amax histories exactly (on CPU
     both see the same fp32 hidden tensor), eager and compiled, dynamic and delayed scaling; and it
     keeps the plain MLP's parameter names."""
-    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
+    for scaling, steps, pow2 in SCALINGS:
         for compiled in (False, True):  # compiled against compiled: the norm's rounding may differ
-            plain, ref = _mlp_grads("linear", "cpu", compiled, scaling, steps)
+            plain, ref = _mlp_grads("linear", "cpu", compiled, scaling, steps, pow2)
             assert type(plain.mlp).__name__ == "MLP"
-            net, got = _mlp_grads("fused", "cpu", compiled, scaling, steps)
+            net, got = _mlp_grads("fused", "cpu", compiled, scaling, steps, pow2)
             assert type(net.mlp).__name__ == "Fp8MLP"
             assert list(net.state_dict()) == list(plain.state_dict()) == ["mlp.c_fc.weight", "mlp.c_proj.weight"]
             for a, b in zip(got, ref, strict=True):
-                assert torch.equal(a, b), (scaling, compiled)
+                assert torch.equal(a, b), (scaling, pow2, compiled)
     hists = [b.clone() for b in net.buffers()]
     with torch.no_grad():  # evaluation leaves the training histories alone
         net(torch.randn(2, 8, 32))
@@ -276,19 +328,21 @@ if __name__ == "__main__":  # the GPU machine has no pytest
     r, rt, _ = fp8_cast._reference(big, torch.tensor(8.0, device="cuda"), torch.float8_e4m3fn)
     assert torch.equal(_bits(q), _bits(r)) and torch.equal(_bits(qt), _bits(rt)), "differs past 2^31 elements"
     del big, q, qt, r, rt
+    for x_dtype in (torch.bfloat16, torch.float16):  # the guessing op: small, and autotuned with many tiles
+        _check_pow2_op("cuda", x_dtype, ((64, 64), (130, 200), (1, 48), (4096, 1040), (2051, 2064)))
     print("triton cast-transpose: bit-exact against torch on", torch.cuda.get_device_name())
     torch_path = []  # the op's torch implementation must not run for these bf16 tensors on a GPU
     reference = fp8_cast._reference
     fp8_cast._reference = lambda *a, **k: torch_path.append(1) or reference(*a, **k)
-    for scaling, steps in (("dynamic", 1), ("delayed", 3)):
+    for scaling, steps, pow2 in SCALINGS:
         for compiled in (False, True):
-            a = _mlp_grads("fused", "cuda", compiled, scaling, steps)[1]
-            b = _mlp_grads("linear", "cuda", compiled, scaling, steps)[1]
-            print(f"mlp {scaling} compiled={compiled}: max |fused - linear| / max |linear| per output:",
+            a = _mlp_grads("fused", "cuda", compiled, scaling, steps, pow2)[1]
+            b = _mlp_grads("linear", "cuda", compiled, scaling, steps, pow2)[1]
+            print(f"mlp {scaling} pow2={pow2} compiled={compiled}: max |fused - linear| / max |linear| per output:",
                   [f"{((x.float() - y.float()).abs().max() / y.float().abs().max()).item():.3g}" for x, y in zip(a, b)])
-            a = _train_grads("kernel", "cuda", compiled, scaling, steps)
-            b = _train_grads("inline", "cuda", compiled, scaling, steps)
-            print(f"{scaling} compiled={compiled}: max |kernel - inline| / max |inline| per output:",
+            a = _train_grads("kernel", "cuda", compiled, scaling, steps, pow2)
+            b = _train_grads("inline", "cuda", compiled, scaling, steps, pow2)
+            print(f"{scaling} pow2={pow2} compiled={compiled}: max |kernel - inline| / max |inline| per output:",
                   [f"{((x.float() - y.float()).abs().max() / y.float().abs().max()).item():.3g}" for x, y in zip(a, b)])
     fp8_cast._reference = reference
     assert not torch_path, f"the op fell back to torch {len(torch_path)} times on the GPU"

@@ -152,6 +152,26 @@ def test_fp8_no_nan_on_extremes(dtype):
     assert abs(q[0].item() - 3e38) / 3e38 < 0.07
 
 
+@pytest.mark.parametrize("dtype", [fm.E4M3, fm.E5M2])
+def test_pow2_scale_is_the_largest_power_of_two_that_fits(dtype):
+    """pow2_scale(amax) = 2^k for the largest k with amax * 2^k <= max, against exact Python floats,
+    at binade edges (just above and below max / 2^j) and random amaxes; non-finite amax: a tiny one."""
+    fmax = fm.fp8_max(dtype)
+    edges = [fmax * 2.0 ** j for j in range(-60, 40)]
+    amaxes = edges + [math.nextafter(e, math.inf) for e in edges] + [math.nextafter(e, 0) for e in edges]
+    g = torch.Generator().manual_seed(0)
+    amaxes += torch.exp(torch.randn(2000, generator=g, dtype=torch.float64) * 20).tolist()
+    a = torch.tensor(amaxes, dtype=torch.float32)
+    a = a[(a >= fm.AMAX_FLOOR) & (a < 1e38)]  # below the floor counts as the floor (last line)
+    got = torch.stack([fm.pow2_scale(dtype, v) for v in a]).double()
+    for v, s in zip(a.double().tolist(), got.tolist()):
+        assert math.frexp(s)[0] == 0.5, f"{s} is not a power of two"
+        assert v * s <= fmax < v * s * 2, (v, s)
+    inf, nan = torch.tensor(float("inf")), torch.tensor(float("nan"))
+    assert fm.pow2_scale(dtype, inf).item() == fm.pow2_scale(dtype, nan).item() < 2.0 ** -100
+    assert fm.pow2_scale(dtype, torch.tensor(0.0)).item() == fm.pow2_scale(dtype, torch.tensor(fm.AMAX_FLOOR)).item()
+
+
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 

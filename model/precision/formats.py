@@ -7,6 +7,9 @@ FP8 (OCP 8-bit floating point)
         range wide enough for gradients.
     A tensor is stored as `q = round(x * s)` with one FP32 scale per tensor, s = format_max / amax(x),
     so the largest magnitude lands on the format's largest value ("per-tensor dynamic scaling").
+    Power-of-two scales instead take the largest 2^k with amax * 2^k <= format_max: the largest value
+    lands in the format's top binade, multiplying by the scale is exact, and the scale changes only
+    when amax crosses a power of two (which lets a cast start before its amax is known: fp8_cast.py).
     PyTorch's `.to(float8_*)` rounds to nearest even, which is what the hardware does.
 
 NVFP4 (NVIDIA 4-bit floating point, Blackwell tensor cores)
@@ -48,9 +51,9 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in `dtype`, inverse scale) such that x ~= q.float() * inv_scale."""
-    return cast_fp8(x, dtype, amax(x))
+    return cast_fp8(x, dtype, amax(x), pow2)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -58,11 +61,12 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
-def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale so that `amax` lands on the format's largest value, saturate, cast: (q, inverse scale).
-    With amax = amax(x) this is per-tensor dynamic scaling; delayed scaling passes an amax from
-    earlier steps, and values beyond it saturate."""
-    s = fp8_scale(dtype, amax)
+def cast_fp8(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor,
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale so that `amax` lands on the format's largest value (in its top binade if pow2), saturate,
+    cast: (q, inverse scale). With amax = amax(x) this is per-tensor dynamic scaling; delayed scaling
+    passes an amax from earlier steps, and values beyond it saturate."""
+    s = fp8_scale(dtype, amax, pow2)
     return scaled_cast(x, s, dtype), s.reciprocal()
 
 
@@ -72,9 +76,29 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
 
 
-def fp8_scale(dtype: torch.dtype, amax: torch.Tensor) -> torch.Tensor:
-    """The FP32 scale that puts `amax` on the format's largest value."""
+def fp8_scale(dtype: torch.dtype, amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+    """The FP32 scale that puts `amax` on the format's largest value, or with pow2 the largest power of
+    two that keeps it within (pow2_scale)."""
+    if pow2:
+        return pow2_scale(dtype, amax)
     return fp8_max(dtype) / amax.float().clamp(min=AMAX_FLOOR)
+
+
+def fp8_max_fields(dtype: torch.dtype) -> tuple[int, int]:
+    """(biased exponent, mantissa bits) of the format's largest value as an FP32 number."""
+    bits = torch.tensor(fp8_max(dtype), dtype=torch.float32).view(torch.int32).item()
+    return bits >> 23, bits & 0x7FFFFF
+
+
+def pow2_scale(dtype: torch.dtype, amax: torch.Tensor) -> torch.Tensor:
+    """The largest 2^k (an FP32 tensor) with amax * 2^k <= the format's max, from the FP32 bit fields
+    alone, so the Triton kernel (fp8_cast.py) computes the same bits. With amax = (1 + a) 2^ea and
+    max = (1 + m) 2^em: k = em - ea, one less if a > m. k is kept within FP32's normal range; an
+    inf or NaN amax gives a tiny scale (2^-120 for e4m3, 2^-113 for e5m2)."""
+    exp_max, mant_max = fp8_max_fields(dtype)
+    bits = amax.float().clamp(min=AMAX_FLOOR).view(torch.int32)
+    k = exp_max - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > mant_max).int()
+    return ((k.clamp(-126, 127) + 127) << 23).view(torch.float32)
 
 
 def fake_quant_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

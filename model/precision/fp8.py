@@ -44,6 +44,12 @@ README.md); dynamic inline casts got 1.11x in another. With inline casts delayed
 first step (and the first after a resume) scales dynamically. Under data parallelism the histories
 are reduced to their maximum over ranks every step (`sync_ranks`).
 
+Power-of-two scales (`pow2_scales: true`): every scale is the largest power of two that keeps the
+tensor's amax within the format (formats.pow2_scale). Such a scale changes only when amax crosses a
+power of two, so with dynamic scaling and `cast: kernel` the cast op starts from last step's scale and
+casts again only when this step's differs (fp8_cast.cast_transpose_pow2): dynamic scaling, bit for
+bit, without the separate amax passes.
+
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.
 """
@@ -56,7 +62,7 @@ import torch.nn.functional as F
 from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
-from .fp8_cast import activate, cast_transpose, triton_available
+from .fp8_cast import activate, cast_transpose, cast_transpose_pow2, triton_available
 
 FAST_ACCUM = ("forward", "all", "none")
 SCALING = ("dynamic", "delayed")
@@ -81,49 +87,59 @@ def _record(history: torch.Tensor, current: torch.Tensor) -> None:
     history.copy_(torch.cat([current.reshape(1), history[:-1]]))
 
 
-def _scale_source(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool) -> torch.Tensor:
-    """The amax an inline cast scales by: the tensor's own (dynamic) or the history's (delayed), recording
-    this step's amax for later."""
+# How a cast finds its scale (`how`, per forward; `state` is the tensor it reads and updates):
+#   dynamic  this tensor's amax (state: an amax history to record into, or None)
+#   delayed  the largest amax of the history in `state`, recording this step's
+#   guess    dynamic with power-of-two scales through the cast op that starts from a guess (state:
+#            last step's scale), so no amax pass runs first (fp8_cast.cast_transpose_pow2)
+
+
+def _inline_cast(t: torch.Tensor, dtype: torch.dtype, state: torch.Tensor | None, how: str, pow2: bool):
+    """(q, inverse scale) of t with the cast left to the compiler, recording this step's amax."""
     current = amax(t)
-    source = _history_amax(history, dtype) if history is not None and use_history else current
-    if history is not None:
-        _record(history, current)
-    return source
+    source = _history_amax(state, dtype) if how == "delayed" else current
+    if state is not None:
+        _record(state, current)
+    return cast_fp8(t, dtype, source, pow2)
 
 
-def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, history: torch.Tensor | None, use_history: bool,
+def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, state: torch.Tensor | None, how: str, pow2: bool,
                  act: str = "none", h: torch.Tensor | None = None):
     """(q, q^T, inverse scale) of act(t) through the cast-transpose op. Delayed scaling reads its scale
     from the history and records the amax the op found in the same pass, so no pass waits for an amax;
-    dynamic scaling still needs this tensor's amax first."""
-    if history is not None and use_history:
-        source = _history_amax(history, dtype)
+    so does `guess`; plain dynamic scaling needs this tensor's amax first."""
+    if how == "guess":
+        q, qt, _, s = cast_transpose_pow2(t, state, dtype, act, h)
+        state.copy_(s)
+        return q, qt, s.reciprocal()
+    if how == "delayed":
+        source = _history_amax(state, dtype)
     else:  # no FP32 copy of a plain tensor just for its amax
         source = amax(t) if act == "none" else amax(activate(t, act, h))
-    s = fp8_scale(dtype, source)
+    s = fp8_scale(dtype, source, pow2)
     q, qt, current = cast_transpose(t, s, dtype, act, h)
-    if history is not None:
-        _record(history, current)
+    if state is not None:
+        _record(state, current)
     return q, qt, s.reciprocal()
 
 
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_hist, g_hist, use_history, cast_kernel):
+    def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_state, g_state, how, pow2, cast_kernel):
         x2 = x.reshape(-1, x.shape[-1])
         if cast_kernel:
             # the producer hands over bf16 (half the bytes of the fp32 residual stream); the op writes
             # x^T too, which only the weight-gradient GEMM reads
-            xq, xqt, xs = _kernel_cast(x2.to(out_dtype), E4M3, x_hist, use_history)
+            xq, xqt, xs = _kernel_cast(x2.to(out_dtype), E4M3, x_state, how, pow2)
         else:
-            xq, xs = cast_fp8(x2, E4M3, _scale_source(x2, E4M3, x_hist, use_history))
+            xq, xs = _inline_cast(x2, E4M3, x_state, how, pow2)
             xqt = None
-        wq, ws = quantize_fp8(w, E4M3)  # weights: always this step's amax (a small tensor, cheap)
+        wq, ws = quantize_fp8(w, E4M3, pow2)  # weights: always this step's amax (a small tensor, cheap)
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         # keep one FP8 copy of x for backward (a quarter of the bf16 activation memory): the transposed
         # one when the cast op made it, else the row-major one, transposed in backward
         ctx.save_for_backward(xqt if cast_kernel else xq, xs, wq, ws)
-        ctx.fast_bwd, ctx.g_hist, ctx.use_history, ctx.cast_kernel = fast_bwd, g_hist, use_history, cast_kernel
+        ctx.fast_bwd, ctx.g_state, ctx.how, ctx.pow2, ctx.cast_kernel = fast_bwd, g_state, how, pow2, cast_kernel
         ctx.dtypes = (x.dtype, w.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -133,16 +149,16 @@ class _Fp8Matmul(torch.autograd.Function):
         xdt, wdt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
         if ctx.cast_kernel:
-            gq, gqt, gs = _kernel_cast(g2, E5M2, ctx.g_hist, ctx.use_history)
+            gq, gqt, gs = _kernel_cast(g2, E5M2, ctx.g_state, ctx.how, ctx.pow2)
             x_col = xsaved.t()  # x^T contiguous = x column-major
         else:
-            gq, gs = cast_fp8(g2, E5M2, _scale_source(g2, E5M2, ctx.g_hist, ctx.use_history))
+            gq, gs = _inline_cast(g2, E5M2, ctx.g_state, ctx.how, ctx.pow2)
             gqt, x_col = gq.t().contiguous(), _col_major(xsaved)
         gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
         gw = torch._scaled_mm(gqt, x_col, scale_a=gs, scale_b=xs, out_dtype=torch.float32,
                               use_fast_accum=ctx.fast_bwd)
-        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), None, None, None, None, None, None, None
+        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), *[None] * 8
 
 
 class _Fp8MLP(torch.autograd.Function):
@@ -151,44 +167,44 @@ class _Fp8MLP(torch.autograd.Function):
     the hidden h in bf16, which the compiled unfused MLP saves too."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, out_dtype, fast_fwd, fast_bwd, x_hist, h_hist, a_hist, g_hist, use_history):
+    def forward(ctx, x, w1, w2, out_dtype, fast_fwd, fast_bwd, x_state, h_state, a_state, g_state, how, pow2):
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
-        xq, xqt, xs = _kernel_cast(x2, E4M3, x_hist, use_history)
-        w1q, w1s = quantize_fp8(w1, E4M3)
+        xq, xqt, xs = _kernel_cast(x2, E4M3, x_state, how, pow2)
+        w1q, w1s = quantize_fp8(w1, E4M3, pow2)
         h = torch._scaled_mm(xq, w1q.t(), scale_a=xs, scale_b=w1s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
-        aq, aqt, as_ = _kernel_cast(h, E4M3, a_hist, use_history, "srelu")
-        w2q, w2s = quantize_fp8(w2, E4M3)
+        aq, aqt, as_ = _kernel_cast(h, E4M3, a_state, how, pow2, "srelu")
+        w2q, w2s = quantize_fp8(w2, E4M3, pow2)
         y = torch._scaled_mm(aq, w2q.t(), scale_a=as_, scale_b=w2s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         ctx.save_for_backward(xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s)
-        ctx.fast_bwd, ctx.hists, ctx.use_history = fast_bwd, (h_hist, g_hist), use_history
+        ctx.fast_bwd, ctx.states, ctx.how, ctx.pow2 = fast_bwd, (h_state, g_state), how, pow2
         ctx.dtypes = (x.dtype, w1.dtype, w2.dtype)
         return y.reshape(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
         xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s = ctx.saved_tensors
-        (h_hist, g_hist), use = ctx.hists, ctx.use_history
+        (h_state, g_state), how, pow2 = ctx.states, ctx.how, ctx.pow2
         xdt, w1dt, w2dt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
-        gq, gqt, gs = _kernel_cast(g2, E5M2, g_hist, use)
+        gq, gqt, gs = _kernel_cast(g2, E5M2, g_state, how, pow2)
         ga = torch._scaled_mm(gq, _col_major(w2q), scale_a=gs, scale_b=w2s, out_dtype=h.dtype,
                               use_fast_accum=ctx.fast_bwd)
         gw2 = torch._scaled_mm(gqt, aqt.t(), scale_a=gs, scale_b=as_, out_dtype=torch.float32,
                                use_fast_accum=ctx.fast_bwd)
         # dL/dh = dL/da * 2 relu(h), cast straight to e5m2 for the first GEMM's gradients
-        hq, hqt, hs = _kernel_cast(ga, E5M2, h_hist, use, "srelu_grad", h)
+        hq, hqt, hs = _kernel_cast(ga, E5M2, h_state, how, pow2, "srelu_grad", h)
         gx = torch._scaled_mm(hq, _col_major(w1q), scale_a=hs, scale_b=w1s, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
         gw1 = torch._scaled_mm(hqt, xqt.t(), scale_a=hs, scale_b=xs, out_dtype=torch.float32,
                                use_fast_accum=ctx.fast_bwd)
-        return (gx.reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt),
-                None, None, None, None, None, None, None, None)
+        return (gx.reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt), *[None] * 9)
 
 
 class Fp8Linear(ConvertedLinear):
     fast_fwd, fast_bwd = True, False
     cast_kernel = False  # True: casts through the cast-transpose op (fp8_cast.py), False: inline
     history_len = 0  # > 0: delayed scaling of activations and gradients over this many steps
+    pow2 = False  # power-of-two scales (formats.pow2_scale)
 
     def configure(self, **kwargs) -> None:
         super().configure(**kwargs)
@@ -199,24 +215,34 @@ class Fp8Linear(ConvertedLinear):
             self.register_buffer("x_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
             self.register_buffer("g_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
             self.calibrated = False
+        elif self.pow2 and self.cast_kernel:
+            # dynamic power-of-two scales through the op: last step's scales are its guesses (any start
+            # value gives the same result; a wrong guess only costs a second cast)
+            dev = self.weight.device
+            self.register_buffer("x_scale_guess", torch.ones((), device=dev), persistent=False)
+            self.register_buffer("g_scale_guess", torch.ones((), device=dev), persistent=False)
 
     def scaling_state(self):
-        """((input history, output-gradient history), use them) for this forward: (None, None) under
-        dynamic scaling and in evaluation (no grad), which leaves the training histories alone."""
-        if self.history_len and torch.is_grad_enabled():
-            use_history = self.calibrated
+        """((input state, output-gradient state), how) for this forward (see `how` above `_inline_cast`):
+        evaluation (no grad) scales dynamically and leaves the training state alone."""
+        if not torch.is_grad_enabled():
+            return (None, None), "dynamic"
+        if self.history_len:
+            how = "delayed" if self.calibrated else "dynamic"
             self.calibrated = True  # the first step scales dynamically and starts the histories
-            return (self.x_amax_history, self.g_amax_history), use_history
-        return (None, None), False
+            return (self.x_amax_history, self.g_amax_history), how
+        if self.pow2 and self.cast_kernel:
+            return (self.x_scale_guess, self.g_scale_guess), "guess"
+        return (None, None), "dynamic"
 
     def forward(self, x):
         if not low_precision_enabled():
             return super().forward(x)
-        hists, use_history = self.scaling_state()
+        states, how = self.scaling_state()
         # the transposed copies serve only the backward, so evaluation casts inline
         kernel = self.cast_kernel and torch.is_grad_enabled()
-        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *hists, use_history,
-                             kernel)
+        y = _Fp8Matmul.apply(x, self.weight, matmul_dtype(x), self.fast_fwd, self.fast_bwd, *states, how,
+                             self.pow2, kernel)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -234,10 +260,11 @@ class Fp8MLP(nn.Module):
         fc, proj = self.c_fc, self.c_proj
         if not (low_precision_enabled() and torch.is_grad_enabled()):
             return proj(F.relu(fc(x)).square())
-        (x_hist, h_hist), use_fc = fc.scaling_state()
-        (a_hist, g_hist), use_proj = proj.scaling_state()
+        (x_state, h_state), how = fc.scaling_state()
+        (a_state, g_state), how_proj = proj.scaling_state()
+        assert how == how_proj, "the two Linears of a fused MLP share their options and their first step"
         return _Fp8MLP.apply(x, fc.weight, proj.weight, matmul_dtype(x), fc.fast_fwd, fc.fast_bwd,
-                             x_hist, h_hist, a_hist, g_hist, use_fc and use_proj)
+                             x_state, h_state, a_state, g_state, how, fc.pow2)
 
 
 def _fusable_mlp(module: nn.Module) -> bool:
@@ -252,10 +279,13 @@ class Fp8Backend(PrecisionBackend):
     (default: each tensor by its own amax) | delayed (activations and gradients by the largest amax of
     the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic); cast = kernel
     (default: the cast-transpose op) | inline (casts fused by torch.compile); mlp = fused (default: with
-    cast = kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear."""
+    cast = kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear;
+    pow2_scales = false (default) | true (every scale a power of two; dynamic + kernel then skips the
+    amax passes)."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
-    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel", "mlp": "fused"}
+    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel", "mlp": "fused",
+               "pow2_scales": False}
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
@@ -266,6 +296,9 @@ class Fp8Backend(PrecisionBackend):
         self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
         self.history_len = int(cfg["amax_history_len"])
         self.cast, self.mlp = cfg["cast"], cfg["mlp"]
+        self.pow2 = cfg["pow2_scales"]
+        if not isinstance(self.pow2, bool):
+            raise ValueError(f"precision.fp8.pow2_scales must be true or false, got {self.pow2!r}")
         for key, choices in (("fast_accum", FAST_ACCUM), ("scaling", SCALING), ("cast", CAST), ("mlp", MLP)):
             if cfg[key] not in choices:
                 raise ValueError(f"precision.fp8.{key} must be one of {choices}, got {cfg[key]!r}")
@@ -302,6 +335,7 @@ class Fp8Backend(PrecisionBackend):
         opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
         opts += [f"cast={self.cast}"] if self.cast != self.OPTIONS["cast"] else []
         opts += [f"mlp={self.mlp}"] if self.cast == "kernel" and self.mlp != self.OPTIONS["mlp"] else []
+        opts += ["pow2"] if self.pow2 else []
         return f"{self.name}[{','.join(opts)}]" if opts else self.name
 
     def sync_ranks(self, model: nn.Module) -> None:
@@ -318,7 +352,8 @@ class Fp8Backend(PrecisionBackend):
 
     def convert(self, model: nn.Module) -> nn.Module:
         kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
-                  history_len=self.history_len if self.scaling == "delayed" else 0, cast_kernel=self.cast == "kernel")
+                  history_len=self.history_len if self.scaling == "delayed" else 0, cast_kernel=self.cast == "kernel",
+                  pow2=self.pow2)
         self.converted = swap_linears(model, self.layer_filter, lambda lin: Fp8Linear.from_linear(lin, **kw))
         if self.cast == "kernel" and self.mlp == "fused":  # inline casts: the compiler fuses the MLP itself
             for name, mod in list(model.named_modules()):

@@ -22,6 +22,13 @@ all in FP32 from the 16-bit input. Both implementations round to nearest even an
 (tests/test_fp8_cast.py, on a GPU). The kernel takes bf16/fp16 input; fp32 takes the torch path (see
 the note in the op). One difference: the kernel's amax skips NaN, torch's returns NaN; q holds the NaN
 in both.
+
+Dynamic scaling without its amax pass: `sparkchat::fp8_cast_transpose_pow2(x, guess, fmt, act, h) ->
+(q, q^T, amax, scale)` scales by a power of two (formats.pow2_scale), which depends only on the binade
+amax falls in, so it is usually last step's. The kernel casts with that guess, finding amax on the
+way; a second, persistent kernel derives this step's scale from that amax and, only if it differs
+from the guess, casts again. The result is bit for bit that of an amax pass followed by a cast; a
+right guess saves the pass (a full read of the tensor), a wrong one costs a second cast.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import contextlib
 
 import torch
 
-from .formats import amax, fp8_max, scaled_cast
+from .formats import AMAX_FLOOR, amax, fp8_max, fp8_max_fields, pow2_scale, scaled_cast
 
 try:
     import triton
@@ -91,20 +98,19 @@ if triton is not None:
                        propagate_nan=tl.PropagateNan.ALL)
         return y.to(OUT_DTYPE).to(tl.uint8, bitcast=True)  # stored as raw bytes
 
-    @triton.autotune(configs=_CONFIGS, key=["M", "N", "ACT"], reset_to_zero=["amax_ptr"])
     @triton.jit
-    def _cast_transpose_kernel(x_ptr, h_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
-                               ACT: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
+    def _cast_tile(x_ptr, h_ptr, q_ptr, qt_ptr, amax_ptr, pid_m, pid_n, M, N, scale, fmax,
+                   ACT: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   TRACK_AMAX: tl.constexpr):
+        """Cast one tile of act(x) to q and q^T (and fold its amax into amax_ptr if TRACK_AMAX)."""
         # int64 offsets: an output head's gradient (65,536 tokens x 65,536 vocab) passes 2^31 elements
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        scale = tl.load(scale_ptr)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None] * N + cols[None, :]
         x = _activated(x_ptr, h_ptr, offs, mask, ACT)
-        # the amax skips NaN, so one NaN does not poison delayed scaling's history
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        if TRACK_AMAX:  # the amax skips NaN, so one NaN does not poison delayed scaling's history
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         tl.store(q_ptr + offs, _to_fp8_bytes(x, scale, fmax, OUT_DTYPE), mask=mask)
         # The transposed copy: the same tile read again (from L2) as a (cols, rows) tile and cast again,
         # so no FP8 tile is transposed in registers. Transposing the cast tile (tl.trans, or a store
@@ -115,6 +121,37 @@ if triton is not None:
         xt = _activated(x_ptr, h_ptr, rows[None, :] * N + cols[:, None], mask_t, ACT)
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8_bytes(xt, scale, fmax, OUT_DTYPE), mask=mask_t)
 
+    @triton.autotune(configs=_CONFIGS, key=["M", "N", "ACT"], reset_to_zero=["amax_ptr"])
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, h_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, M, N, fmax,
+                               ACT: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
+        _cast_tile(x_ptr, h_ptr, q_ptr, qt_ptr, amax_ptr, tl.program_id(0), tl.program_id(1), M, N,
+                   tl.load(scale_ptr), fmax, ACT, OUT_DTYPE, BLOCK_M, BLOCK_N, True)
+
+    @triton.jit
+    def _recast_kernel(x_ptr, h_ptr, guess_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, N, fmax, floor,
+                       EXP_MAX: tl.constexpr, MANT_MAX: tl.constexpr, ACT: tl.constexpr,
+                       OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """After a cast with a guessed scale: this step's power-of-two scale from the amax that cast
+        found (formats.pow2_scale, bit for bit), written to scale_ptr; if it is not the guess, cast
+        again with it. Persistent: a few programs loop over the tiles, none when the guess was right."""
+        bits = tl.maximum(tl.load(amax_ptr), floor).to(tl.int32, bitcast=True)
+        k = EXP_MAX - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > MANT_MAX).to(tl.int32)
+        scale = ((tl.minimum(tl.maximum(k, -126), 127) + 127) << 23).to(tl.float32, bitcast=True)
+        pid = tl.program_id(0)
+        tl.store(scale_ptr, scale, mask=pid == 0)
+        if scale != tl.load(guess_ptr):
+            tiles_n = tl.cdiv(N, BLOCK_N)
+            for t in range(pid, tl.cdiv(M, BLOCK_M) * tiles_n, tl.num_programs(0)):
+                _cast_tile(x_ptr, h_ptr, q_ptr, qt_ptr, amax_ptr, t // tiles_n, t % tiles_n, M, N, scale, fmax,
+                           ACT, OUT_DTYPE, BLOCK_M, BLOCK_N, False)
+
+
+def _launch_args(x, h, dtype, act):
+    return (x, x if h is None else h), dict(ACT=ACTS[act], OUT_DTYPE=tl.float8e4nv if dtype == torch.float8_e4m3fn
+                                             else tl.float8e5)
+
 
 def _triton_cast_transpose(x, scale, dtype, act, h):
     M, N = x.shape
@@ -122,8 +159,8 @@ def _triton_cast_transpose(x, scale, dtype, act, h):
     qt = torch.empty((N, M), dtype=dtype, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-    args = (x, x if h is None else h, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N, fp8_max(dtype))
-    kw = dict(ACT=ACTS[act], OUT_DTYPE=tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5)
+    inputs, kw = _launch_args(x, h, dtype, act)
+    args = (*inputs, scale, q.view(torch.uint8), qt.view(torch.uint8), amax, M, N, fp8_max(dtype))
     if M * N < SMALL:  # not worth a tuning run: one fixed tile shape
         kernel, kw = _cast_transpose_kernel.fn, dict(kw, **SMALL_CONFIG)
     else:
@@ -134,16 +171,37 @@ def _triton_cast_transpose(x, scale, dtype, act, h):
     return q, qt, amax
 
 
+RECAST_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
+
+
+def _triton_cast_transpose_pow2(x, guess, dtype, act, h):
+    q, qt, amax = _triton_cast_transpose(x, guess, dtype, act, h)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    M, N = x.shape
+    inputs, kw = _launch_args(x, h, dtype, act)
+    exp_max, mant_max = fp8_max_fields(dtype)
+    tiles = triton.cdiv(M, RECAST_CONFIG["BLOCK_M"]) * triton.cdiv(N, RECAST_CONFIG["BLOCK_N"])
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        programs = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        _recast_kernel[(min(tiles, programs),)](
+            *inputs, guess, amax, scale, q.view(torch.uint8), qt.view(torch.uint8), M, N, fp8_max(dtype),
+            AMAX_FLOOR, EXP_MAX=exp_max, MANT_MAX=mant_max, **kw, **RECAST_CONFIG)
+    return q, qt, amax, scale
+
+
+def _triton_ok(x, h) -> bool:
+    # 16-bit inputs only (what the backend passes): with fp32 tiles the transposed copy came out wrong on
+    # the H200 (Triton 3.6), so fp32 takes the torch path
+    return x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float16) \
+        and (h is None or h.dtype == x.dtype)
+
+
 @torch.library.custom_op("sparkchat::fp8_cast_transpose", mutates_args=())
 def _fp8_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, act: str,
                         h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = FP8_DTYPES[fmt]
-    x = x.contiguous()
-    h = None if h is None else h.contiguous()
-    # 16-bit inputs only (what the backend passes): with fp32 tiles the transposed copy came out wrong on
-    # the H200 (Triton 3.6), so fp32 takes the torch path
-    if x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float16) \
-            and (h is None or h.dtype == x.dtype):
+    x, h = x.contiguous(), None if h is None else h.contiguous()
+    if _triton_ok(x, h):
         return _triton_cast_transpose(x, scale.float(), dtype, act, h)
     return _reference(x, scale, dtype, act, h)
 
@@ -155,15 +213,49 @@ def _(x, scale, fmt, act, h):
     return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
-                   h: torch.Tensor | None = None):
-    """(q, q^T contiguous, amax(|act(x)|)) of a 2-D tensor: q = saturate(act(x) * scale) in FP8 `dtype`,
-    all in one kernel on CUDA (the amax feeds delayed scaling's history). `h`: srelu_grad's second input."""
+@torch.library.custom_op("sparkchat::fp8_cast_transpose_pow2", mutates_args=())
+def _fp8_cast_transpose_pow2(x: torch.Tensor, guess: torch.Tensor, fmt: str, act: str, h: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = FP8_DTYPES[fmt]
+    x, h = x.contiguous(), None if h is None else h.contiguous()
+    if _triton_ok(x, h):
+        return _triton_cast_transpose_pow2(x, guess.float(), dtype, act, h)
+    a = amax(activate(x, act, h))
+    scale = pow2_scale(dtype, a)
+    q, qt, _ = _reference(x, scale, dtype, act, h)
+    return q, qt, a, scale
+
+
+@_fp8_cast_transpose_pow2.register_fake
+def _(x, guess, fmt, act, h):
+    dtype = FP8_DTYPES[fmt]
+    M, N = x.shape
+    scalar = x.new_empty((), dtype=torch.float32)
+    return x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype), scalar, torch.empty_like(scalar)
+
+
+def _check_args(act: str, h: torch.Tensor | None, x: torch.Tensor) -> None:
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
     if (h is not None) != (act == "srelu_grad") or (h is not None and h.shape != x.shape):
         raise ValueError("h (of x's shape) goes with act='srelu_grad' and only with it")
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
+                   h: torch.Tensor | None = None):
+    """(q, q^T contiguous, amax(|act(x)|)) of a 2-D tensor: q = saturate(act(x) * scale) in FP8 `dtype`,
+    all in one kernel on CUDA (the amax feeds delayed scaling's history). `h`: srelu_grad's second input."""
+    _check_args(act, h, x)
     return torch.ops.sparkchat.fp8_cast_transpose(x, scale.reshape(()).float(), FORMAT_NAMES[dtype], act, h)
+
+
+def cast_transpose_pow2(x: torch.Tensor, guess: torch.Tensor, dtype: torch.dtype, act: str = "none",
+                        h: torch.Tensor | None = None):
+    """(q, q^T, amax, scale): per-tensor dynamic scaling with a power-of-two scale, scale =
+    pow2_scale(amax(|act(x)|)), without a separate amax pass when `guess` (last step's scale) is right.
+    The result does not depend on the guess, only the time: a wrong guess costs a second cast."""
+    _check_args(act, h, x)
+    return torch.ops.sparkchat.fp8_cast_transpose_pow2(x, guess.reshape(()).float(), FORMAT_NAMES[dtype], act, h)
 
 
 def triton_available() -> bool:
