@@ -175,7 +175,7 @@ def _train_grads(cast, device, compiled, scaling="dynamic", steps=1, pow2=False)
     backend = get_backend("fp8", {"cast": cast, "scaling": scaling, "amax_history_len": 4, "pow2_scales": pow2},
                           LayerFilter(16, []))
     backend.convert(net)
-    f = torch.compile(net) if compiled else net
+    f = torch.compile(net, fullgraph=True) if compiled else net  # a graph break fails here, not only slows
     for step in range(steps):
         net.zero_grad()
         x = torch.randn(4, 8, 32, device=device, generator=torch.Generator(device).manual_seed(step),
@@ -218,7 +218,7 @@ def _mlp_grads(mlp_mode, device, compiled, scaling="dynamic", steps=1, pow2=Fals
     backend = get_backend("fp8", {"scaling": scaling, "amax_history_len": 4, "mlp": mlp_mode, "pow2_scales": pow2},
                           LayerFilter(16, []))
     backend.convert(net)
-    f = torch.compile(net) if compiled else net
+    f = torch.compile(net, fullgraph=True) if compiled else net
     for step in range(steps):
         net.zero_grad()
         # 48 tokens of width 32: a GEMM operand given its transpose by mistake fails on shape

@@ -31,6 +31,7 @@ tests compare it against float64 references.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -84,10 +85,18 @@ def fp8_scale(dtype: torch.dtype, amax: torch.Tensor, pow2: bool = False) -> tor
     return fp8_max(dtype) / amax.float().clamp(min=AMAX_FLOOR)
 
 
+def _fp32_fields(v: float) -> tuple[int, int]:
+    bits = struct.unpack("<I", struct.pack("<f", v))[0]
+    return bits >> 23, bits & 0x7FFFFF
+
+
+# computed once here: inside a compiled model a tensor's .item() would break the graph at every Linear
+_MAX_FIELDS = {E4M3: _fp32_fields(E4M3_MAX), E5M2: _fp32_fields(E5M2_MAX)}
+
+
 def fp8_max_fields(dtype: torch.dtype) -> tuple[int, int]:
     """(biased exponent, mantissa bits) of the format's largest value as an FP32 number."""
-    bits = torch.tensor(fp8_max(dtype), dtype=torch.float32).view(torch.int32).item()
-    return bits >> 23, bits & 0x7FFFFF
+    return _MAX_FIELDS[dtype]
 
 
 def pow2_scale(dtype: torch.dtype, amax: torch.Tensor) -> torch.Tensor:
