@@ -112,7 +112,7 @@ class Fp8Params:
     """kernel (one cast-transpose op per tensor: Triton on CUDA) | inline (casts left to torch.compile)."""
     mlp: str = "fused"
     """fused (with cast: kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear."""
-    pow2_scales: bool = False
+    pow2_scales: bool = True
     """Scales rounded down to powers of two; with dynamic scaling and cast: kernel no amax pass runs first."""
 
 

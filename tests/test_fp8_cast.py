@@ -148,9 +148,10 @@ def test_pow2_guesses_follow_the_scales_cpu():
     """After a step, each guess is the scale that step used: the power of two for the tensor's amax."""
     from model.precision.formats import E4M3, pow2_scale
     net = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False))
-    backend = get_backend("fp8", {"pow2_scales": True}, LayerFilter(16, []))
+    backend = get_backend("fp8", {}, LayerFilter(16, []))
     backend.convert(net)
-    assert backend.label == "fp8[pow2]"
+    assert backend.label == "fp8"  # the default
+    assert get_backend("fp8", {"pow2_scales": False}, LayerFilter()).label == "fp8[exact_scales]"
     x = torch.randn(8, 32) * 5
     with backend.autocast(torch.device("cpu")):
         net(x).sum().backward()

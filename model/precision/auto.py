@@ -6,13 +6,14 @@ Choice, in order:
    emulated, and whose loss stayed within `max_loss_diff_pct` (default 1%) of bf16; its options too.
    Entries probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers
    than the run's `precision.layer_filter` would convert.
-2. Otherwise a static order, first one that is available here: PREFERENCE below, which is what the
-   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03c and -03e): fp8 with delayed
-   scaling through the cast-transpose kernel and fused MLPs first (1.236x its run's bf16; needs only
-   torch and, for the kernel, Triton, else its casts go inline), then te-fp8 with delayed scaling and
-   fused MLPs (1.17x its run's bf16; needs Transformer Engine), then bf16. The two FP8 entries were
-   never probed in one run; in absolute time fp8 was 349 ms a micro-step, te-fp8 359. NVFP4 is never
-   chosen without a probe (its loss needs checking first).
+2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the
+   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03c, -03e and -03f): fp8 with its
+   defaults first (dynamic power-of-two scales through the cast-transpose kernel, fused MLPs: 1.212x
+   its run's bf16, 347 ms a micro-step; needs only torch and, for the kernel, Triton, else its casts
+   go inline). Delayed scaling measured 1.236x of another run's bf16 at 349 ms: as fast, but its
+   scales lag a step, so dynamic goes first. Then te-fp8 with delayed scaling and fused MLPs (1.17x
+   its run's bf16, 359 ms; needs Transformer Engine), then bf16. The FP8 entries were never all
+   probed in one run. NVFP4 is never chosen without a probe (its loss needs checking first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from .base import PrecisionBackend, describe_device
 from .fp8_cast import triton_available
 
-PREFERENCE = [("fp8", {"scaling": "delayed", "cast": "kernel" if triton_available() else "inline"}),
+PREFERENCE = [("fp8", {"cast": "kernel" if triton_available() else "inline"}),
               ("te-fp8", {"recipe": "delayed", "modules": "fused"}), ("bf16", {})]
 
 
