@@ -275,8 +275,8 @@ class ProbeParams:
     batch: int = 4
     vocab: int = 2048
     seed: int = 0
-    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:scaling=delayed", "te-fp8", "te-nvfp4",
-                                                         "fp8-emulated", "nvfp4-emulated"])
+    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
+                                                         "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
     """Backend names, or name:recipe[,key=value] (te-fp8:current, fp8:scaling=delayed)."""
     te_recipes: list[str] = field(default_factory=lambda: ["delayed", "current", "block", "mxfp8"])
 

@@ -21,7 +21,8 @@ separate amax pass. `act` lets the MLP's squared ReLU ride along instead of cost
 all in FP32 from the 16-bit input. Both implementations round to nearest even and agree bit for bit
 (tests/test_fp8_cast.py, on a GPU). The kernel takes bf16/fp16 input; fp32 takes the torch path (see
 the note in the op). One difference: the kernel's amax skips NaN, torch's returns NaN; q holds the NaN
-in both.
+in both. So with power-of-two scales (below) an input holding NaN can get another scale on the GPU
+than on the torch path; a run with NaN activations or gradients has diverged either way.
 
 Dynamic scaling without its amax pass: `sparkchat::fp8_cast_transpose_pow2(x, guess, fmt, act, h) ->
 (q, q^T, amax, scale)` scales by a power of two (formats.pow2_scale), which depends only on the binade
