@@ -44,12 +44,14 @@ class SlowModel:
 
 @pytest.fixture(scope="module")
 def tight_server(serve_start, serve_model_dir):
-    """One batch row, one queue place, 20 ms per step."""
+    """One batch row, one queue place, 20 ms per step, and every request runs to its max_tokens (no stop
+    tokens): a reply that ended early would free the row before the test could fill the queue."""
     settings = Settings(model_dir=serve_model_dir, max_batch=1, max_queue=1, ui=False)
 
     def loader(metrics):
         rt = Runtime.load(serve_model_dir, metrics, "cpu", settings.max_batch, settings.max_queue)
         rt.engine.model = SlowModel(rt.engine.model, 0.02)
+        rt.engine.stop_ids = set()
         return rt
 
     return serve_start(create_app(settings, loader=loader))
