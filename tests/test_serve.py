@@ -44,14 +44,12 @@ class SlowModel:
 
 @pytest.fixture(scope="module")
 def tight_server(serve_start, serve_model_dir):
-    """One batch row, one queue place, 20 ms per step, and every request runs to its max_tokens (no stop
-    tokens): a reply that ended early would free the row before the test could fill the queue."""
+    """One batch row, one queue place, 20 ms per step."""
     settings = Settings(model_dir=serve_model_dir, max_batch=1, max_queue=1, ui=False)
 
     def loader(metrics):
         rt = Runtime.load(serve_model_dir, metrics, "cpu", settings.max_batch, settings.max_queue)
         rt.engine.model = SlowModel(rt.engine.model, 0.02)
-        rt.engine.stop_ids = set()
         return rt
 
     return serve_start(create_app(settings, loader=loader))
@@ -229,7 +227,11 @@ def test_429_queue_full_and_cancel_frees_slot(tight_server):
     """One row, one queue place: a third request is refused; cancelling the first lets the second run."""
     c = openai.OpenAI(base_url=tight_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     first = chat(c, max_tokens=100, stream=True)  # 100 steps x 20 ms: ~2 s
-    next(iter(first))  # running: it holds the only row
+    next(iter(first))  # the role chunk: submitted, but perhaps still waiting for the row
+    rt = tight_server.app.state.runtime
+    deadline = time.time() + 10
+    while not (rt.engine.num_active == 1 and rt.engine.queue_depth == 0) and time.time() < deadline:
+        time.sleep(0.01)  # until it holds the only row (else the second request finds the queue full)
     got, done = {}, threading.Event()
 
     def second():
@@ -239,7 +241,6 @@ def test_429_queue_full_and_cancel_frees_slot(tight_server):
         done.set()
 
     threading.Thread(target=second, daemon=True).start()
-    rt = tight_server.app.state.runtime
     deadline = time.time() + 10
     while rt.engine.queue_depth < 1 and time.time() < deadline:
         time.sleep(0.01)
