@@ -34,6 +34,7 @@ right guess saves the pass (a full read of the tensor), a wrong one costs a seco
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -149,6 +150,11 @@ if triton is not None:
                            ACT, OUT_DTYPE, BLOCK_M, BLOCK_N, False)
 
 
+def _on_device(x):
+    """Launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _launch_args(x, h, dtype, act):
     return (x, x if h is None else h), dict(ACT=ACTS[act], OUT_DTYPE=tl.float8e4nv if dtype == torch.float8_e4m3fn
                                              else tl.float8e5)
@@ -166,13 +172,18 @@ def _triton_cast_transpose(x, scale, dtype, act, h):
         kernel, kw = _cast_transpose_kernel.fn, dict(kw, **SMALL_CONFIG)
     else:
         kernel = _cast_transpose_kernel
-    # launch on x's GPU, not the current one (CPU tensors only under TRITON_INTERPRET=1)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with _on_device(x):
         kernel[grid](*args, **kw)
     return q, qt, amax
 
 
 RECAST_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
+
+
+@functools.lru_cache
+def _recast_programs(device: torch.device) -> int:
+    """The persistent recast kernel's grid: two programs per SM (asked once per device, not per cast)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _triton_cast_transpose_pow2(x, guess, dtype, act, h):
@@ -182,9 +193,8 @@ def _triton_cast_transpose_pow2(x, guess, dtype, act, h):
     inputs, kw = _launch_args(x, h, dtype, act)
     exp_max, mant_max = fp8_max_fields(dtype)
     tiles = triton.cdiv(M, RECAST_CONFIG["BLOCK_M"]) * triton.cdiv(N, RECAST_CONFIG["BLOCK_N"])
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        programs = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        _recast_kernel[(min(tiles, programs),)](
+    with _on_device(x):
+        _recast_kernel[(min(tiles, _recast_programs(x.device)),)](
             *inputs, guess, amax, scale, q.view(torch.uint8), qt.view(torch.uint8), M, N, fp8_max(dtype),
             AMAX_FLOOR, EXP_MAX=exp_max, MANT_MAX=mant_max, **kw, **RECAST_CONFIG)
     return q, qt, amax, scale
