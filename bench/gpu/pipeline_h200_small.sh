@@ -1,12 +1,13 @@
 #!/bin/bash
-# H200: pretrain -> midtrain -> sft under native fp8 (profile h200-small: delayed scaling, cast kernel)
+# H200: pretrain -> midtrain -> sft under native fp8 (profile h200-small: fp8's defaults, i.e. dynamic
+# power-of-two scales, cast kernel, fused MLPs)
 # on the data and tokenizer that `dvc repro prepare tokenizer` made on the CPU machine (carried in
 # artifacts/); the model comes back in parts under $OUT for the CPU server to load.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 sed -i 's/^profile: ""/profile: h200-small/' params.yaml
-# FP8_CAST=kernel|inline / FP8_SCALING=dynamic|delayed: params.yaml's precision.fp8 options; the
-# profile's own settings still win, and h200-small sets scaling: delayed (FP8_SCALING is then moot)
+# FP8_CAST=kernel|inline / FP8_SCALING=dynamic|delayed: params.yaml's precision.fp8 options (a
+# profile's own settings would win; h200-small sets none)
 [ -n "$FP8_CAST" ] && sed -i "s/^    cast: [a-z]* /    cast: $FP8_CAST /" params.yaml
 [ -n "$FP8_SCALING" ] && sed -i "s/^    scaling: [a-z]* /    scaling: $FP8_SCALING /" params.yaml
 grep -A5 '^  fp8:' params.yaml
