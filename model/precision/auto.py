@@ -7,13 +7,13 @@ Choice, in order:
    Entries probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers
    than the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the
-   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03c, -03e and -03f): fp8 with its
-   defaults first (dynamic power-of-two scales through the cast-transpose kernel, fused MLPs: 1.212x
-   its run's bf16, 347 ms a micro-step; needs only torch and, for the kernel, Triton, else its casts
-   go inline). Delayed scaling measured 1.236x of another run's bf16 at 349 ms: as fast, but its
-   scales lag a step, so dynamic goes first. Then te-fp8 with delayed scaling and fused MLPs (1.17x
-   its run's bf16, 359 ms; needs Transformer Engine), then bf16. The FP8 entries were never all
-   probed in one run. NVFP4 is never chosen without a probe (its loss needs checking first).
+   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03e, -03f and -03g): fp8 with its
+   defaults first (dynamic power-of-two scales through the cast-transpose kernel, fused MLPs: 1.216x
+   bf16, 348 ms a micro-step; needs only torch and, for the kernel, Triton, else its casts go
+   inline). Delayed scaling measured 1.236x of another run's bf16 at 349 ms: as fast, but its scales
+   lag a step, so dynamic goes first. Then te-fp8 with delayed scaling and fused MLPs (1.169x, 362 ms,
+   in the same run as fp8's 1.216x; needs Transformer Engine), then bf16. NVFP4 is never chosen
+   without a probe (its loss needs checking first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations

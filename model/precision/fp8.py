@@ -208,6 +208,11 @@ class Fp8Linear(ConvertedLinear):
     history_len = 0  # > 0: delayed scaling of activations and gradients over this many steps
     pow2 = False  # power-of-two scales (formats.pow2_scale)
 
+    @property
+    def guesses_scales(self) -> bool:
+        """Dynamic power-of-two scales through the cast op, which starts from last step's scale."""
+        return self.pow2 and self.cast_kernel and not self.history_len
+
     def configure(self, **kwargs) -> None:
         super().configure(**kwargs)
         if self.history_len:
@@ -217,8 +222,8 @@ class Fp8Linear(ConvertedLinear):
             self.register_buffer("x_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
             self.register_buffer("g_amax_history", torch.zeros(self.history_len, device=dev), persistent=False)
             self.calibrated = False
-        elif self.pow2 and self.cast_kernel:
-            # dynamic power-of-two scales through the op: last step's scales are its guesses (any start
+        elif self.guesses_scales:
+            # last step's scales are the op's guesses (any start
             # value gives the same result; a wrong guess only costs a second cast)
             dev = self.weight.device
             self.register_buffer("x_scale_guess", torch.ones((), device=dev), persistent=False)
@@ -233,7 +238,7 @@ class Fp8Linear(ConvertedLinear):
             how = "delayed" if self.calibrated else "dynamic"
             self.calibrated = True  # the first step scales dynamically and starts the histories
             return (self.x_amax_history, self.g_amax_history), how
-        if self.pow2 and self.cast_kernel:
+        if self.guesses_scales:
             return (self.x_scale_guess, self.g_scale_guess), "guess"
         return (None, None), "dynamic"
 

@@ -63,13 +63,18 @@ def activate(x: torch.Tensor, act: str, h: torch.Tensor | None = None) -> torch.
     return x
 
 
-def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
-               h: torch.Tensor | None = None):
-    y = activate(x, act, h)
+def _cast_both(y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """(q, q^T contiguous) of an already activated tensor, in plain torch."""
     q = scaled_cast(y, scale, dtype)
     # clone, not contiguous(): for one row or column the transpose is already contiguous, and a custom
     # op's outputs may not alias each other
-    return q, q.t().clone(memory_format=torch.contiguous_format), amax(y)
+    return q, q.t().clone(memory_format=torch.contiguous_format)
+
+
+def _reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, act: str = "none",
+               h: torch.Tensor | None = None):
+    y = activate(x, act, h)
+    return (*_cast_both(y, scale, dtype), amax(y))
 
 
 if triton is not None:
@@ -231,10 +236,10 @@ def _fp8_cast_transpose_pow2(x: torch.Tensor, guess: torch.Tensor, fmt: str, act
     x, h = x.contiguous(), None if h is None else h.contiguous()
     if _triton_ok(x, h):
         return _triton_cast_transpose_pow2(x, guess.float(), dtype, act, h)
-    a = amax(activate(x, act, h))
+    y = activate(x, act, h)  # once, for both the amax and the cast
+    a = amax(y)
     scale = pow2_scale(dtype, a)
-    q, qt, _ = _reference(x, scale, dtype, act, h)
-    return q, qt, a, scale
+    return (*_cast_both(y, scale, dtype), a, scale)
 
 
 @_fp8_cast_transpose_pow2.register_fake
