@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from sparkchat import paths
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of France?",
            "Write a poem about the sea.", "Explain how a computer works.", "Hello! How are you today?",
@@ -96,7 +98,7 @@ async def run_level(base: str, streams: int, seconds: float, max_tokens: int) ->
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="artifacts/model", help="model directory (default: %(default)s)")
+    ap.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory (default: %(default)s)")
     ap.add_argument("--random-init", type=int, metavar="DEPTH", help="bench a random model of this depth instead")
     ap.add_argument("--levels", default="1,4,16", help="concurrent streams to measure (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=8.0, help="how long each level keeps its streams busy")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sparkchat import paths
+
 
 def chat(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="sparkchat chat", description="Chat with a sparkchat model in the terminal.")
-    ap.add_argument("--model", default="artifacts/model", help="model directory (default: %(default)s)")
+    ap.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory (default: %(default)s)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)

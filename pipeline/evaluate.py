@@ -8,7 +8,7 @@
 - optional real benchmarks through `datasets` (evaluate.extra): MMLU and ARC as multiple choice,
   GSM8K as exact-answer math.
 
-Writes artifacts/eval/metrics.json (DVC metrics) and artifacts/eval/scores.tsv (DVC plot).
+Writes its metrics and a scores plot where `sparkchat.paths` says (DVC metrics and plots).
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ from model.chat import render
 from model.engine import Engine, EngineConfig, SamplingParams, Token
 from model.model_dir import load_model_dir
 
+from sparkchat import paths
+
 from .config import Params, load_params
 from .data import read_texts, tokenize_texts, TokenStream
 from .metrics import atomic_write_text, write_json
 from .sources import open_dataset
 from .train import evaluate_bpb, resolve_device, token_bytes
 
-DATA = Path("artifacts/data")
-MODELS = {"base": Path("artifacts/pretrain/model"), "midtrain": Path("artifacts/midtrain/model"),
-          "sft": Path("artifacts/model")}
+MODELS = {"base": paths.MODEL_DIRS["pretrain"], "midtrain": paths.MODEL_DIRS["midtrain"], "sft": paths.CHAT_MODEL}
 GENERATIVE = ("arithmetic", "word_problem", "letter_count", "spelling")
 MULTIPLE_CHOICE = ("largest",)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -90,7 +90,7 @@ def multiple_choice(model, tok, items: list[dict], device) -> float:
 
 
 def load_eval_items(task: str, n: int) -> list[dict]:
-    with open(DATA / "eval" / f"{task}.jsonl") as f:
+    with open(paths.EVAL_ITEMS / f"{task}.jsonl") as f:
         return [json.loads(line) for line in f][:n]
 
 
@@ -121,7 +121,7 @@ def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
     model, tok, _ = load_model_dir(path, device=device)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
-    val = TokenStream(tokenize_texts(tok, read_texts(DATA / "pretrain_val.parquet")), 8, seq_len)
+    val = TokenStream(tokenize_texts(tok, read_texts(paths.PRETRAIN_VAL)), 8, seq_len)
     n_batches = max(1, min(16, val.micro_steps_per_epoch))
     scores["val_bpb"] = round(evaluate_bpb(model, val, n_batches, token_bytes(tok, device), device,
                                            torch.no_grad()), 4)
@@ -160,11 +160,10 @@ def main(argv=None) -> None:
         results[name] = evaluate_model(name, path, p, device)
         print(f"evaluate {name}: {results[name]}", file=sys.stderr)
     results["chance"] = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}}
-    out = Path("artifacts/eval")
-    write_json(out / "metrics.json", results)
+    write_json(paths.metrics_file("evaluate"), results)
     rows = ["model\ttask\taccuracy"] + [f"{m}\t{t}\t{v}" for m, sc in results.items() for t, v in sc.items()
                                          if t != "val_bpb"]
-    atomic_write_text(out / "scores.tsv", "\n".join(rows) + "\n")
+    atomic_write_text(paths.plot_file("evaluate"), "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ from pathlib import Path
 import datasets
 
 from . import synthetic
+from sparkchat import paths
+
 from .config import Params, load_params
 from .metrics import write_json
 from .sources import iter_conversations, iter_texts
 
-OUT = Path("artifacts/data")
 CHUNK_CHARS = 4000
 
 
@@ -43,7 +44,7 @@ def is_val(key: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(h[:8], "big") / 2 ** 64 < fraction
 
 
-def prepare(p: Params, out: Path = OUT) -> dict:
+def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None) -> dict:
     d = p.data
     out.mkdir(parents=True, exist_ok=True)
     # -- pretraining text
@@ -91,13 +92,13 @@ def prepare(p: Params, out: Path = OUT) -> dict:
         "pretrain_train_docs": len(train_text), "chat_train": len(train), "chat_val": len(val),
         "eval_items": {k: len(v) for k, v in evals.items()},
     }
-    write_json(out / "prepare.json", stats)
+    write_json(metrics or out / "prepare.json", stats)
     return stats
 
 
 def main(argv=None) -> None:
     p = load_params()
-    stats = prepare(p)
+    stats = prepare(p, metrics=paths.metrics_file("prepare"))
     print(f"prepare: {stats['pretrain_train_chars']:,} train chars in {stats['pretrain_train_docs']} pieces, "
           f"{stats['pretrain_val_chars']:,} val chars; {stats['chat_train']:,} train / {stats['chat_val']:,} "
           f"val conversations; eval items {stats['eval_items']}", file=sys.stderr)

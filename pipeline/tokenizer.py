@@ -1,5 +1,5 @@
 """Stage `tokenizer`: train the byte-level BPE on pretraining + chat text, add the chat special tokens,
-save artifacts/tokenizer/tokenizer.json and report compression (bytes per token) on validation text."""
+save it (`sparkchat.paths.TOKENIZER`) and report compression (bytes per token) on validation text."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 from model.chat import content_text
 from model.tokenizer import SparkTokenizer
 
+from sparkchat import paths
+
 from .config import Params, load_params
 from .metrics import write_json
 
-DATA = Path("artifacts/data")
-OUT = Path("artifacts/tokenizer")
 
 
 def training_text(data: Path, max_chars: int) -> Iterator[str]:
@@ -42,18 +42,19 @@ def bytes_per_token(tok: SparkTokenizer, texts: list[str]) -> float:
     return n_bytes / max(1, n_tokens)
 
 
-def train_tokenizer(p: Params, data: Path = DATA, out: Path = OUT) -> dict:
+def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENIZER.parent,
+                    report_file: Path | None = None) -> dict:
     tok = SparkTokenizer.train(training_text(data, p.tokenizer.train_chars), p.tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(out / "tokenizer.json")
     val = pq.read_table(data / "pretrain_val.parquet", columns=["text"]).column("text").to_pylist()
     report = {"vocab_size": tok.vocab_size, "val_bytes_per_token": round(bytes_per_token(tok, val), 4)}
-    write_json(out / "report.json", report)
+    write_json(report_file or out / "report.json", report)
     return report
 
 
 def main(argv=None) -> None:
-    report = train_tokenizer(load_params())
+    report = train_tokenizer(load_params(), report_file=paths.metrics_file("tokenizer"))
     print(f"tokenizer: vocab {report['vocab_size']}, {report['val_bytes_per_token']} bytes/token on val text",
           file=sys.stderr)
 

@@ -32,19 +32,19 @@ from model.optim import build_optimizer
 from model.precision import LayerFilter, get_backend, options_from_params
 from model.precision.base import compile_model
 from model.tokenizer import SparkTokenizer
+from sparkchat import paths
 
 from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
 from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
 from .metrics import TSVLog, write_json
 
-DATA = Path("artifacts/data")
-TOKENIZER = Path("artifacts/tokenizer/tokenizer.json")
+M = paths.MODEL_DIRS
 STAGES = {
     # stage: (initial model dir or None, train data, val data, output model dir)
-    "pretrain": (None, "pretrain_train.parquet", "pretrain_val.parquet", Path("artifacts/pretrain/model")),
-    "midtrain": (Path("artifacts/pretrain/model"), "mid_train.parquet", "chat_val.parquet", Path("artifacts/midtrain/model")),
-    "sft": (Path("artifacts/midtrain/model"), "sft_train.parquet", "chat_val.parquet", Path("artifacts/model")),
+    "pretrain": (None, paths.PRETRAIN_TRAIN, paths.PRETRAIN_VAL, M["pretrain"]),
+    "midtrain": (M["pretrain"], paths.MID_TRAIN, paths.CHAT_VAL, M["midtrain"]),
+    "sft": (M["midtrain"], paths.SFT_TRAIN, paths.CHAT_VAL, M["sft"]),
 }
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
@@ -136,14 +136,14 @@ def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
     return model
 
 
-def make_batches(stage: str, split_file: str, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
-    path = DATA / split_file
-    if split_file.startswith("pretrain") or stage == "midtrain":
-        tokens = tokenize_texts(tok, read_texts(path)) if split_file.startswith("pretrain") \
+def make_batches(stage: str, path: Path, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
+    text = stage == "pretrain"
+    if text or stage == "midtrain":
+        tokens = tokenize_texts(tok, read_texts(path)) if text \
             else tokenize_conversations(tok, read_conversations(path))
         # a small validation split may hold fewer rows than a training batch: use what there is
         rows = min(t.device_batch, max(1, (len(tokens) - 1) // (seq_len * world)))
-        return TokenStream(tokens, rows if "val" in split_file else t.device_batch, seq_len, rank, world)
+        return TokenStream(tokens, rows if "val" in path.name else t.device_batch, seq_len, rank, world)
     convs = read_conversations(path)
     return ChatBatches(tok, convs, t.device_batch, seq_len, pad_fixed, seed=t.seed, rank=rank, world=world)
 
@@ -171,7 +171,7 @@ def train(stage: str, p: Params) -> dict:
         torch.set_num_threads(p.runtime.threads)
     torch.manual_seed(t.seed + rank)
 
-    tok = SparkTokenizer.load(TOKENIZER)
+    tok = SparkTokenizer.load(paths.TOKENIZER)
     model = build_model(stage, p, tok, device)
     seq_len = model.config.seq_len
     model = backend.convert(model)
@@ -185,8 +185,8 @@ def train(stage: str, p: Params) -> dict:
     steps = total_steps(stage, t, model, train_batches, grad_accum)
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
 
-    ckpt_path = Path("artifacts/ckpt") / stage / "last.pt"
-    inputs = [DATA / train_file, DATA / val_file, TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
+    ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
+    inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
     ckpt, msg = load_checkpoint(ckpt_path, fp)
@@ -218,7 +218,7 @@ def train(stage: str, p: Params) -> dict:
     tbytes = token_bytes(tok, device)
     eval_batches = max(1, t.eval_tokens // tokens_per_micro)
     flops, peak = raw_model.flops_per_token(), peak_flops(device)
-    plot = TSVLog(Path(f"artifacts/{stage}/log.tsv"), ["step", "loss", "lr", "tokens_per_s", "val_bpb", "mfu"],
+    plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr", "tokens_per_s", "val_bpb", "mfu"],
                   resume_step=start_step if ckpt else None) if rank == 0 else None
 
     def run_eval() -> float:
@@ -277,7 +277,7 @@ def train(stage: str, p: Params) -> dict:
         metrics["mfu"] = round(mfu, 4)
     if rank == 0:
         save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **metrics})
-        write_json(Path(f"artifacts/{stage}/metrics.json"), metrics)
+        write_json(paths.metrics_file(stage), metrics)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
         ckpt_path.unlink(missing_ok=True)

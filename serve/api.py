@@ -23,6 +23,8 @@ from typing import Callable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sparkchat import paths
+
 from . import errors, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
@@ -35,7 +37,7 @@ log = logging.getLogger("sparkchat.serve")
 
 @dataclass
 class Settings:
-    model_dir: Path = Path("artifacts/model")
+    model_dir: Path = paths.CHAT_MODEL
     """A directory written by model.model_dir.save_model_dir (the pipeline's final stage)."""
     device: str | None = None
     """torch device; default cuda when available, else cpu."""

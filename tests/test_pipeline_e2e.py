@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sparkchat import paths
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -76,14 +78,14 @@ def test_repro_noop_and_param_change(tmp_path):
     proj = make_project(tmp_path, TINY)
     r = dvc(proj, "repro")
     assert ran_stages(r.stdout) == ["prepare", "tokenizer", "pretrain", "midtrain", "sft", "evaluate"]
-    model = proj / "artifacts/model"
+    model = proj / paths.CHAT_MODEL
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation.json"):
         assert (model / name).is_file()
-    scores = json.loads((proj / "artifacts/eval/metrics.json").read_text())
+    scores = json.loads((proj / paths.metrics_file("evaluate")).read_text())
     assert {"base", "midtrain", "sft", "chance"} <= set(scores)
     assert 0.0 <= scores["sft"]["arithmetic"] <= 1.0
     shown = dvc(proj, "metrics", "show").stdout
-    assert "artifacts/eval/metrics.json" in shown and "val_bpb" in shown
+    assert str(paths.metrics_file("evaluate")) in shown and "val_bpb" in shown
 
     assert ran_stages(dvc(proj, "repro").stdout) == []
 
@@ -103,7 +105,7 @@ def test_repro_noop_and_param_change(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "x 2 rank(s)" in out and "fp8[delayed,history=16]" in out and "sft: done" in out
-    sft_metrics = json.loads((proj / "artifacts/sft/metrics.json").read_text())
+    sft_metrics = json.loads((proj / paths.metrics_file("sft")).read_text())
     assert math.isfinite(sft_metrics["final_loss"])
     assert sft_metrics["backend_label"] == "fp8[delayed,history=16]"  # the options, for dvc metrics show
 
@@ -112,11 +114,11 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     long = deep_update(json.loads(json.dumps(TINY)), {"pretrain": {"steps": 40, "checkpoint_every": 5}})
     ref = make_project(tmp_path / "ref", long)
     dvc(ref, "repro", "pretrain")
-    want = json.loads((ref / "artifacts/pretrain/metrics.json").read_text())
+    want = json.loads((ref / paths.metrics_file("pretrain")).read_text())
 
     proj = make_project(tmp_path / "killed", long)
     dvc(proj, "repro", "tokenizer")
-    ckpt = proj / "artifacts/ckpt/pretrain/last.pt"
+    ckpt = proj / paths.checkpoint_dir("pretrain") / "last.pt"
     p = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=proj, env=env(), start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -125,11 +127,11 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert ckpt.exists(), "no checkpoint appeared"
     os.killpg(p.pid, signal.SIGKILL)  # dvc and the stage, as a crash or an OOM kill would
     p.wait()
-    assert not (proj / "artifacts/pretrain/metrics.json").exists(), "the stage finished before the kill"
+    assert not (proj / paths.metrics_file("pretrain")).exists(), "the stage finished before the kill"
 
     r = dvc(proj, "repro", "pretrain")
     assert "resuming from checkpoint at step" in r.stderr
-    got = json.loads((proj / "artifacts/pretrain/metrics.json").read_text())
+    got = json.loads((proj / paths.metrics_file("pretrain")).read_text())
     assert got["steps"] == want["steps"]
     assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-3)
     assert got["val_bpb"] == pytest.approx(want["val_bpb"], abs=1e-3)

@@ -1,0 +1,47 @@
+"""Where every artifact lives: the one map of the pipeline's files. The stages, the server's defaults,
+the benchmarks and the tests read paths from here; `dvc.yaml` declares the same paths as outputs, and
+`tests/test_dvc.py` checks that the two agree.
+
+Paths are relative to the project root, where DVC runs every stage.
+  artifacts/  big outputs, git-ignored and kept in DVC's cache (data, tokenizer, models, checkpoints)
+  reports/    small metrics and plot files that git keeps, so `dvc exp show`, `dvc metrics diff` and
+              `dvc plots diff` can compare main with every experiment
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ARTIFACTS = Path("artifacts")
+REPORTS = Path("reports")
+
+DATA = ARTIFACTS / "data"
+PRETRAIN_TRAIN = DATA / "pretrain_train.parquet"
+PRETRAIN_VAL = DATA / "pretrain_val.parquet"
+MID_TRAIN = DATA / "mid_train.parquet"
+SFT_TRAIN = DATA / "sft_train.parquet"
+CHAT_VAL = DATA / "chat_val.parquet"
+EVAL_ITEMS = DATA / "eval"
+
+TOKENIZER = ARTIFACTS / "tokenizer" / "tokenizer.json"
+
+TRAIN_STAGES = ("pretrain", "midtrain", "sft")
+# the model directory each training stage writes; sft's is the chat model everything serves
+MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACTS / "midtrain" / "model",
+              "sft": ARTIFACTS / "model"}
+CHAT_MODEL = MODEL_DIRS["sft"]
+
+PROBE = ARTIFACTS / "probe"
+
+
+def checkpoint_dir(stage: str) -> Path:
+    """Training checkpoints of one stage (kept across runs so a killed stage resumes)."""
+    return ARTIFACTS / "ckpt" / stage
+
+
+def metrics_file(stage: str) -> Path:
+    return REPORTS / stage / "metrics.json"
+
+
+def plot_file(stage: str) -> Path:
+    """A training stage's loss curve, or evaluate's scores per task."""
+    return REPORTS / stage / ("scores.tsv" if stage == "evaluate" else "loss.tsv")
