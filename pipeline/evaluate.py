@@ -24,6 +24,7 @@ from tqdm import tqdm
 from model.calculator import calculator_tool
 from model.chat import render
 from model.engine import Engine, EngineConfig, SamplingParams, Token
+from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import load_model_dir
 
 from sparkchat import paths
@@ -32,7 +33,7 @@ from .config import Params, load_params
 from .data import read_texts, tokenize_texts, TokenStream
 from .metrics import atomic_write_text, write_json
 from .sources import open_dataset
-from .train import evaluate_bpb, resolve_device, token_bytes
+from .runtime import resolve_device
 
 MODELS = {"base": paths.MODEL_DIRS["pretrain"], "midtrain": paths.MODEL_DIRS["midtrain"], "sft": paths.CHAT_MODEL}
 GENERATIVE = ("arithmetic", "word_problem", "letter_count", "spelling")

@@ -31,6 +31,7 @@ from model.model_dir import load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.precision import LayerFilter, get_backend, options_from_params
 from model.precision.base import compile_model
+from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
@@ -38,6 +39,7 @@ from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_s
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
 from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
 from .metrics import TSVLog, write_json
+from .runtime import log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
 STAGES = {
@@ -47,32 +49,6 @@ STAGES = {
     "sft": (M["midtrain"], paths.SFT_TRAIN, paths.CHAT_VAL, M["sft"]),
 }
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
-
-
-def log(msg: str) -> None:
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"runtime.device={name} but torch sees no CUDA GPU (torch {torch.__version__}); "
-                         f"set runtime.device=cpu or auto")
-    return torch.device(name)
-
-
-def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1:
-        return 0, 1, device
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -90,35 +66,6 @@ def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
         progress = (total - step) / max(1, warmdown)
         return t.final_lr_frac + (1 - t.final_lr_frac) * progress
     return 1.0
-
-
-def token_bytes(tok: SparkTokenizer, device) -> torch.Tensor:
-    """UTF-8 bytes each token stands for (0 for special tokens): the denominator of bits per byte."""
-    special = set(tok.special.values())
-    out = torch.zeros(tok.vocab_size, dtype=torch.float32)
-    for i in range(tok.vocab_size):
-        if i not in special:
-            out[i] = len(tok.id_to_token(i) or "")  # byte-level alphabet: one char per byte
-    return out.to(device)
-
-
-@torch.no_grad()
-def evaluate_bpb(model, batches, n_batches: int, tbytes: torch.Tensor, device, autocast) -> float:
-    """Bits per byte: tokenizer-independent, so runs with different vocabularies compare."""
-    nats, nbytes = torch.zeros((), device=device), torch.zeros((), device=device)
-    for _ in range(n_batches):
-        x, y = batches.next()
-        x, y = x.to(device), y.to(device)
-        with autocast:
-            loss = model(x, y, reduction="none")
-        valid = y.view(-1) >= 0
-        b = torch.where(valid, tbytes[y.view(-1).clamp(min=0)], torch.zeros_like(loss))
-        nats += (loss * (b > 0)).sum()
-        nbytes += b.sum()
-    if dist.is_initialized():
-        dist.all_reduce(nats)
-        dist.all_reduce(nbytes)
-    return float(nats / (math.log(2) * nbytes.clamp(min=1)))
 
 
 def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
