@@ -402,11 +402,46 @@ def params_from_dict(data: dict, profiles_dir: Path | None = None) -> Params:
     return params
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
+def load_params(path: str | Path = "params.yaml", stage: str | None = None) -> Params:
+    """params.yaml with its profile applied and checked. With `stage`, only that stage's sections
+    (STAGE_SECTIONS) can be read: any other raises ConfigError, so a stage cannot depend on a value
+    DVC does not re-run it for."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} not found (run from the project root)")
-    return params_from_dict(_read_yaml(path), path.resolve().parent / "profiles")
+    params = params_from_dict(_read_yaml(path), path.resolve().parent / "profiles")
+    if stage is None:
+        return params
+    for f in dataclasses.fields(params):
+        if f.name != "profile" and f.name not in STAGE_SECTIONS[stage]:
+            setattr(params, f.name, _Undeclared(stage, f.name))
+    return params
+
+
+# The params.yaml sections each pipeline stage reads: the one home of this fact. The `params` stage
+# (pipeline/params.py) writes each stage's sections, resolved with the selected profile, to
+# `sparkchat.paths.stage_params(stage)`, which is that stage's dependency in dvc.yaml: a change to
+# params.yaml or to the selected profile re-runs exactly the stages whose values it changes.
+STAGE_SECTIONS = {
+    "prepare": ("data",),
+    "tokenizer": ("tokenizer",),
+    "pretrain": ("model", "precision", "runtime", "pretrain"),
+    "midtrain": ("precision", "runtime", "midtrain"),
+    "sft": ("precision", "runtime", "sft"),
+    "evaluate": ("runtime", "evaluate"),
+}
+
+
+class _Undeclared:
+    """Stands in for a params section a stage does not declare; reading it is a bug in the stage."""
+
+    def __init__(self, stage: str, section: str):
+        self._where = (stage, section)
+
+    def __getattr__(self, name):
+        stage, section = self._where
+        raise ConfigError(f"stage '{stage}' read {section}.{name}, but '{section}' is not among the sections it "
+                          f"declares (pipeline/config.py STAGE_SECTIONS['{stage}']): add it there")
 
 
 def n_kv_head(m: ModelParams) -> int:

@@ -154,7 +154,7 @@ def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
 
 
 def main(argv=None) -> None:
-    p = load_params()
+    p = load_params(stage="evaluate")
     device = resolve_device(p.runtime.device)
     results = {}
     for name, path in MODELS.items():

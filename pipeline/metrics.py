@@ -21,22 +21,20 @@ def write_json(path: str | Path, data: dict) -> None:
 
 
 class TSVLog:
-    """Append-only TSV plot file (one header, one row per call). On resume, rows past `keep_until_step`
-    are dropped so the plot has no duplicate steps."""
+    """A TSV plot file: one header, one row per `log` call. `rows` holds the rows logged so far (a
+    resumed stage passes the rows its checkpoint carried); the list grows as rows are logged, so the
+    caller can save it with the next checkpoint."""
 
-    def __init__(self, path: str | Path, columns: list[str], resume_step: int | None = None):
+    def __init__(self, path: str | Path, columns: list[str], rows: list[str] | None = None):
         self.path, self.columns = Path(path), columns
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = []
-        if resume_step is not None and self.path.exists():
-            lines = self.path.read_text().splitlines()
-            if lines and lines[0].split("\t") == columns:
-                rows = [ln for ln in lines[1:] if ln and int(float(ln.split("\t")[0])) <= resume_step]
-        atomic_write_text(self.path, "\n".join(["\t".join(columns)] + rows) + "\n")
+        self.rows = rows if rows is not None else []
+        atomic_write_text(self.path, "\n".join(["\t".join(columns)] + self.rows) + "\n")
 
     def log(self, **values) -> None:
+        line = "\t".join(_fmt(values.get(c, "")) for c in self.columns)
+        self.rows.append(line)
         with open(self.path, "a") as f:
-            f.write("\t".join(_fmt(values.get(c, "")) for c in self.columns) + "\n")
+            f.write(line + "\n")
 
 
 def _fmt(v) -> str:

@@ -97,7 +97,7 @@ def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None) -> d
 
 
 def main(argv=None) -> None:
-    p = load_params()
+    p = load_params(stage="prepare")
     stats = prepare(p, metrics=paths.metrics_file("prepare"))
     print(f"prepare: {stats['pretrain_train_chars']:,} train chars in {stats['pretrain_train_docs']} pieces, "
           f"{stats['pretrain_val_chars']:,} val chars; {stats['chat_train']:,} train / {stats['chat_val']:,} "

@@ -54,7 +54,7 @@ def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENI
 
 
 def main(argv=None) -> None:
-    report = train_tokenizer(load_params(), report_file=paths.metrics_file("tokenizer"))
+    report = train_tokenizer(load_params(stage="tokenizer"), report_file=paths.metrics_file("tokenizer"))
     print(f"tokenizer: vocab {report['vocab_size']}, {report['val_bytes_per_token']} bytes/token on val text",
           file=sys.stderr)
 

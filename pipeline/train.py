@@ -134,7 +134,8 @@ def train(stage: str, p: Params) -> dict:
 
     ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
     inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
-    fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
+    fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
+                      "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
     ckpt, msg = load_checkpoint(ckpt_path, fp)
     if ckpt is not None and any(k.endswith("attn.c_q.weight") for k in ckpt["model"]):
@@ -165,8 +166,11 @@ def train(stage: str, p: Params) -> dict:
     tbytes = token_bytes(tok, device)
     eval_batches = max(1, t.eval_tokens // tokens_per_micro)
     flops, peak = raw_model.flops_per_token(), peak_flops(device)
-    plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr", "tokens_per_s", "val_bpb", "mfu"],
-                  resume_step=start_step if ckpt else None) if rank == 0 else None
+    # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
+    # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
+    # rewrites the rows before its checkpoint and the plot (and its dvc.lock hash) match an unbroken run
+    plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr", "val_bpb"], history.setdefault("log_rows", [])) \
+        if rank == 0 else None
 
     def run_eval() -> float:
         model.eval()
@@ -199,18 +203,19 @@ def train(stage: str, p: Params) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        if done % t.log_every == 0 or done == steps or done == start_step + 1:
+        evaluate_now = done % t.eval_every == 0 or done == steps
+        row = done % t.log_every == 0 or evaluate_now  # a plot row: its loss is this step's
+        if row or done == start_step + 1:
             loss_value = float(loss_sum) / grad_accum  # the only host sync per logged step
             dt = time.perf_counter() - t0
             tps = grad_accum * tokens_per_micro / dt
             mfu = flops * tps / (peak * world) if peak else None
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}", **({"mfu": f"{mfu:.1%}"} if mfu else {}))
-        val_bpb = run_eval() if done % t.eval_every == 0 or done == steps else None
+        val_bpb = run_eval() if evaluate_now else None
         if val_bpb is not None:
             history["val_bpb"] = val_bpb
-        if plot is not None and (done % t.log_every == 0 or val_bpb is not None or done == steps):
-            plot.log(step=done, loss=loss_value, lr=mult, tokens_per_s=round(tps), val_bpb=val_bpb if val_bpb else "",
-                     mfu=round(mfu, 4) if mfu else "")
+        if plot is not None and row:
+            plot.log(step=done, loss=loss_value, lr=mult, val_bpb=val_bpb if val_bpb else "")
         if rank == 0 and (done % t.checkpoint_every == 0 and done < steps):
             save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
         bar.update(1)
@@ -238,7 +243,7 @@ def main(stage: str) -> None:
     from .config import ConfigError, load_params
     from model.precision import BackendUnavailable
     try:
-        p = load_params()
+        p = load_params(stage=stage)
         if p.runtime.nproc > 1 and "WORLD_SIZE" not in os.environ:
             # relaunch this stage under torchrun, one process per GPU (DDP)
             import subprocess

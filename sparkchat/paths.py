@@ -33,6 +33,11 @@ CHAT_MODEL = MODEL_DIRS["sft"]
 PROBE = ARTIFACTS / "probe"
 
 
+def stage_params(stage: str) -> Path:
+    """The params one stage reads, resolved with the profile (written by the `params` stage)."""
+    return ARTIFACTS / "params" / f"{stage}.json"
+
+
 def checkpoint_dir(stage: str) -> Path:
     """Training checkpoints of one stage (kept across runs so a killed stage resumes)."""
     return ARTIFACTS / "ckpt" / stage

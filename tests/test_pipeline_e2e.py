@@ -2,10 +2,11 @@
 
 - `dvc repro` runs every stage and writes the final model directory, metrics and plots;
 - a second `dvc repro` does nothing;
-- changing an SFT parameter re-runs exactly sft and evaluate;
+- changing an SFT parameter re-runs exactly sft and evaluate (after `params`, which resolves them);
+- editing the selected profile's sft block does the same; editing a profile not in use re-runs nothing;
 - sft runs as two data-parallel CPU ranks under fp8 with delayed scaling;
 - pretrain killed with SIGKILL mid-run resumes from its checkpoint on the next `dvc repro` and ends
-  exactly where an uninterrupted run ends.
+  exactly where an uninterrupted run ends, with the same loss plot (rows before the checkpoint kept).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def ran_stages(out: str) -> list[str]:
 def test_repro_noop_and_param_change(tmp_path):
     proj = make_project(tmp_path, TINY)
     r = dvc(proj, "repro")
-    assert ran_stages(r.stdout) == ["prepare", "tokenizer", "pretrain", "midtrain", "sft", "evaluate"]
+    assert ran_stages(r.stdout) == ["params", "prepare", "tokenizer", "pretrain", "midtrain", "sft", "evaluate"]
     model = proj / paths.CHAT_MODEL
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation.json"):
         assert (model / name).is_file()
@@ -92,7 +93,18 @@ def test_repro_noop_and_param_change(tmp_path):
     params = yaml.safe_load((proj / "params.yaml").read_text())
     params["sft"]["matrix_lr"] = 0.003
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert ran_stages(dvc(proj, "repro").stdout) == ["sft", "evaluate"]
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate"]
+
+    # a profile: selecting one whose values equal the current ones re-runs nothing past `params`;
+    # editing its sft block re-runs sft and evaluate; editing a profile not in use re-runs nothing
+    (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.003}}))
+    params["profile"] = "mine"
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
+    (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.004}}))
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate"]
+    (proj / "profiles" / "h200.yaml").write_text((proj / "profiles" / "h200.yaml").read_text() + "\n# edited\n")
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
 
     # the data-parallel path: sft as two CPU ranks (torchrun, gloo) under fp8 with delayed scaling,
     # whose amax histories the backend reduces across ranks every step
@@ -136,3 +148,5 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-3)
     assert got["val_bpb"] == pytest.approx(want["val_bpb"], abs=1e-3)
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
+    plot = paths.plot_file("pretrain")
+    assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"

@@ -1,0 +1,153 @@
+"""dvc.yaml is true by construction: each stage's code deps are exactly its import closure, its
+outputs are the paths `sparkchat.paths` gives, and it reads only the params sections it declares.
+
+The import closure is computed from the code (every `import` statement, at module level or inside a
+function, of the project's own packages), so a new import that dvc.yaml does not list fails here.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import STAGE_SECTIONS
+from sparkchat import paths
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("model", "pipeline", "serve", "sparkchat", "bench")
+
+
+def module_file(name: str) -> Path | None:
+    base = ROOT / Path(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def imports_of(path: Path) -> set[str]:
+    """Project modules `path` imports (absolute names), including the packages on the way."""
+    package = ".".join(path.relative_to(ROOT).parent.parts)  # what a relative import starts from
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] not in PACKAGES:
+                continue
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+                if module_file(".".join(parts[:i])):
+                    found.add(".".join(parts[:i]))
+    return found
+
+
+def import_closure(module: str) -> set[Path]:
+    """Files of every project module that running `python -m module` may import."""
+    todo, seen = [module], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(imports_of(module_file(name)))
+    return {module_file(n).relative_to(ROOT) for n in seen}
+
+
+def stages(dvc_file: str = "dvc.yaml") -> dict:
+    return yaml.safe_load((ROOT / dvc_file).read_text())["stages"]
+
+
+def stage_module(stage: dict) -> str:
+    return stage["cmd"].split("python -m ", 1)[1].split()[0]
+
+
+def code_deps(stage: dict) -> set[Path]:
+    """The stage's deps that are code (files or folders under the project's packages), expanded."""
+    out = set()
+    for d in stage.get("deps", []):
+        p = Path(d)
+        if p.parts[0] not in PACKAGES:
+            continue
+        out |= {f.relative_to(ROOT) for f in (ROOT / p).rglob("*.py")} if (ROOT / p).is_dir() else {p}
+    return out
+
+
+def closure_mismatch(stage: dict) -> tuple[set[Path], set[Path]]:
+    """(imported but not listed, listed but not imported)."""
+    need, have = import_closure(stage_module(stage)), code_deps(stage)
+    return need - have, have - need
+
+
+def test_every_stage_lists_exactly_its_import_closure():
+    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+        for name, stage in stages(dvc_file).items():
+            missing, extra = closure_mismatch(stage)
+            assert not missing, f"{dvc_file} stage '{name}' imports {sorted(map(str, missing))} but does not list them in deps"
+            assert not extra, f"{dvc_file} stage '{name}' lists {sorted(map(str, extra))} in deps but never imports them"
+
+
+def test_the_check_catches_a_removed_dep():
+    stage = dict(stages()["pretrain"])
+    stage["deps"] = [d for d in stage["deps"] if d != "model/gpt.py"]
+    missing, _ = closure_mismatch(stage)
+    assert Path("model/gpt.py") in missing
+
+
+def test_stages_depend_on_their_resolved_params():
+    st = stages()
+    assert set(STAGE_SECTIONS) <= set(st)
+    outs = {str(paths.stage_params(s)) for s in STAGE_SECTIONS}
+    assert set(st["params"]["outs"]) == outs
+    for name in STAGE_SECTIONS:
+        assert str(paths.stage_params(name)) in st[name]["deps"], f"stage '{name}' must depend on its params file"
+        assert "params" not in st[name], f"stage '{name}' reads its params through {paths.stage_params(name)}"
+    assert set(st["params"]["params"]) >= {"profile", *(s for ss in STAGE_SECTIONS.values() for s in ss)}
+    assert "profiles" in st["params"]["deps"]
+
+
+def _declared(stage: dict, key: str) -> set[str]:
+    out = set()
+    for item in stage.get(key, []):
+        out |= set(item) if isinstance(item, dict) else {item}
+    return out
+
+
+def test_outputs_are_where_paths_says():
+    st = stages()
+    for name in paths.TRAIN_STAGES:
+        outs = _declared(st[name], "outs")
+        assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
+        assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
+    for name in ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate"):
+        assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
+    assert str(paths.TOKENIZER) in _declared(st["tokenizer"], "outs")
+    assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
+
+
+def compact(files: set[Path]) -> list[str]:
+    """Files as dvc.yaml lists them: a folder whose every .py file is in the set stands for them."""
+    out, files = [], set(files)
+    for folder in sorted({f.parent for f in files}, key=lambda d: len(d.parts)):
+        if len(folder.parts) > 1 and all(f.relative_to(ROOT) in files for f in (ROOT / folder).rglob("*.py")):
+            inside = {f for f in files if folder in f.parents}
+            if inside:
+                out.append(str(folder))
+                files -= inside
+    return sorted(out + [str(f) for f in files])
+
+
+if __name__ == "__main__":  # print the code deps each stage should list: python tests/test_dvc.py
+    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+        for name, stage in stages(dvc_file).items():
+            print(f"{dvc_file} {name}: [{', '.join(compact(import_closure(stage_module(stage))))}]")
