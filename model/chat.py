@@ -16,6 +16,9 @@ from .tokenizer import SparkTokenizer
 
 ROLES = ("system", "user", "assistant")
 
+# How a reply's tool tokens read when it is shown as text (tokenizer.StreamDecoder): "... `12*7 = 84` ..."
+TOOL_DISPLAY = {"<|python_start|>": "`", "<|python_end|>": " = ", "<|output_start|>": "", "<|output_end|>": "`"}
+
 
 class ChatFormatError(ValueError):
     pass

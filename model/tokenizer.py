@@ -6,7 +6,7 @@ before byte-level BPE, so merges never cross word/number boundaries.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -70,14 +70,36 @@ class SparkTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def iter_decode(self, ids: Iterator[int]) -> Iterator[str]:
-        """Decode a stream of ids into text pieces that are always whole UTF-8 characters."""
-        buf: list[int] = []
-        emitted = ""
-        for i in ids:
-            buf.append(i)
-            text = self.decode(buf)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-                continue
-            yield text[len(emitted):]
-            emitted = text
+
+class StreamDecoder:
+    """Token ids -> text deltas, for showing a reply as it is generated: a piece never splits a UTF-8
+    character (ids are held while their bytes end mid-character) and special ids are dropped, or shown
+    as `special_text[name]` when given (the server and the terminal chat pass model.chat.TOOL_DISPLAY).
+
+    Decoding restarts after each clean piece, so the cost per token stays constant.
+    """
+
+    MAX_PENDING = 8  # a UTF-8 character is at most 4 bytes; past this the ids are shown as they are
+
+    def __init__(self, tok: SparkTokenizer, special_text: dict[str, str] | None = None):
+        self.tok = tok
+        shown = special_text or {}
+        self.special = {i: shown.get(name, "") for name, i in tok.special.items()}
+        self.pending: list[int] = []
+
+    def push(self, i: int) -> str:
+        """The text that id `i` completes ("" while a character is incomplete)."""
+        if i in self.special:
+            return self.flush() + self.special[i]
+        self.pending.append(i)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < self.MAX_PENDING:
+            return ""  # wait for the rest of the character
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """Whatever is held back (at the end of a reply)."""
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text

@@ -1,8 +1,9 @@
 """Stage `evaluate`: how good are the base, midtrained and SFT models, on items none of them trained on.
 
 - base val bits per byte (pretraining text), for every model;
-- generative tasks, greedy, with the calculator tool: arithmetic, word problems (GSM8K-style, the
-  number after '####' or the last number), letter counting, spelling (exact answer); chance ~0;
+- generative tasks, greedy, with the calculator tool if the model's generation.json allows it:
+  arithmetic, word problems (GSM8K-style, the number after '####' or the last number), letter
+  counting, spelling (exact answer); chance ~0;
 - multiple choice (largest of four numbers): the letter with the highest logit after the prompt;
   chance 25%;
 - optional real benchmarks through `datasets` (evaluate.extra): MMLU and ARC as multiple choice,
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model.calculator import calculator_tool
 from model.chat import render
-from model.engine import Engine, EngineConfig, SamplingParams, Token
+from model.chat_engine import chat_engine
+from model.engine import Engine, SamplingParams, Token
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import load_model_dir
 
@@ -119,17 +120,14 @@ def extra_items(spec: str, n: int) -> tuple[str, list[dict]]:
 
 
 def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
-    model, tok, _ = load_model_dir(path, device=device)
+    model, tok, gen = load_model_dir(path, device=device)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
     val = TokenStream(tokenize_texts(tok, read_texts(paths.PRETRAIN_VAL)), 8, seq_len)
     n_batches = max(1, min(16, val.micro_steps_per_epoch))
     scores["val_bpb"] = round(evaluate_bpb(model, val, n_batches, token_bytes(tok, device), device,
                                            torch.no_grad()), 4)
-    s = tok.special
-    engine = Engine(model, EngineConfig(max_batch=32, max_queue=100_000, stop_ids=(s["<|assistant_end|>"], s["<|bos|>"]),
-                                        tool_start=s["<|python_start|>"], tool_end=s["<|python_end|>"]),
-                    tool=calculator_tool(tok)).start()
+    engine = chat_engine(model, tok, gen, max_batch=32, max_queue=100_000)  # every prompt is queued at once
     try:
         for task in GENERATIVE:
             items = load_eval_items(task, p.evaluate.max_items)

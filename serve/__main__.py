@@ -1,4 +1,6 @@
-"""`sparkchat serve` / `python -m serve`: parse flags, build the app, run uvicorn."""
+"""`sparkchat serve` / `python -m serve`: parse flags, build the app, run uvicorn.
+
+The parser needs neither torch nor FastAPI, so `--help` answers at once; they load in main()."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +13,6 @@ from sparkchat import paths
 # kernels with Python work, and spinning workers steal the cores it needs (measured: 5-7x slower
 # decoding on a 2-core CPU). No effect on CUDA.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from .api import Settings, create_app  # noqa: E402
 
 API_KEY_ENV = "SPARKCHAT_API_KEY"
 
@@ -35,6 +35,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
+
+    from .api import Settings, create_app
     app = create_app(Settings(model_dir=args.model, device=args.device, api_key=args.api_key or None,
                               max_batch=args.max_batch, max_queue=args.max_queue))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

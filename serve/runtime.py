@@ -14,52 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-from model.calculator import calculator_tool
-from model.chat import render
-from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
+from model.chat import TOOL_DISPLAY, render
+from model.chat_engine import chat_engine, sampling_params
+from model.engine import Engine, Finished, SamplingParams, Token
 from model.model_dir import load_model_dir
-from model.tokenizer import SparkTokenizer
+from model.tokenizer import SparkTokenizer, StreamDecoder
 
 from .metrics import Metrics
 
 log = logging.getLogger("sparkchat.serve")
-
-# how tool tokens read in a reply: "... `12*7 = 84` ..."
-TOOL_DISPLAY = {"<|python_start|>": "`", "<|python_end|>": " = ", "<|output_start|>": "", "<|output_end|>": "`"}
 
 
 def pick_device(device: str | None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class StreamDecoder:
-    """Token ids -> text pieces that never split a UTF-8 character.
-
-    Ids are held while their bytes end mid-character; special ids are shown through TOOL_DISPLAY (or
-    dropped). Decoding restarts after each clean piece, so the cost per token stays constant.
-    """
-
-    def __init__(self, tok: SparkTokenizer):
-        self.tok = tok
-        self.special = {i: TOOL_DISPLAY.get(name, "") for name, i in tok.special.items()}
-        self.pending: list[int] = []
-
-    def push(self, i: int) -> str:
-        if i in self.special:
-            return self.flush() + self.special[i]
-        self.pending.append(i)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < 8:
-            return ""  # wait for the rest of the character
-        self.pending = []
-        return text
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
 
 
 class TextStream:
@@ -70,7 +39,7 @@ class TextStream:
         self.runtime = runtime
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.decoder = StreamDecoder(runtime.tokenizer)
+        self.decoder = StreamDecoder(runtime.tokenizer, TOOL_DISPLAY)
         self.stop = [s for s in stop if s]
         self.held = ""  # decoded text not yet released (could be the start of a stop string)
         self.prompt_tokens = len(prompt)
@@ -163,13 +132,7 @@ class Runtime:
         dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         t = time.perf_counter()
         model, tok, gen = load_model_dir(model_dir, dev, dtype)
-        s = tok.special
-        tool_use = bool(gen.get("tool_use"))
-        cfg = EngineConfig(max_batch=max_batch, max_queue=max_queue,
-                           stop_ids=(s["<|assistant_end|>"], s["<|bos|>"]),
-                           tool_start=s["<|python_start|>"] if tool_use else None,
-                           tool_end=s["<|python_end|>"] if tool_use else None)
-        engine = Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None).start()
+        engine = chat_engine(model, tok, gen, max_batch=max_batch, max_queue=max_queue)
         metrics.watch_engine(engine)
         metrics.loaded.set(1)
         log.info("loaded %s on %s (%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
@@ -186,11 +149,7 @@ class Runtime:
         return ids
 
     def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None) -> SamplingParams:
-        d = self.defaults
-        pick = lambda v, k: d[k] if v is None else v  # noqa: E731
-        return SamplingParams(temperature=float(pick(temperature, "temperature")),
-                              top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
-                              max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed)
+        return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed)
 
     def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None) -> TextStream:
         """Submit now (raises QueueFull / PromptTooLong at once); iterate the result for text."""

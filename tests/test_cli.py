@@ -1,22 +1,93 @@
-"""The `sparkchat` command line: chat in a terminal over a real (tiny, random) model directory."""
+"""The `sparkchat` command: dispatch, --version, every --help quick (no torch) and showing defaults, and a
+terminal chat over a real (tiny, random) model directory."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sparkchat.cli import COMMANDS, version
+
 ROOT = Path(__file__).resolve().parent.parent
+
+# pipeline/probe.py imports torch at module level and its flags have no help text until the probe
+# rewrite lands; then these marks turn into XPASS failures and must go.
+PROBE_PENDING = pytest.mark.xfail(strict=True, reason="pipeline/probe.py: torch at module level, flags without help")
+
+
+def sparkchat(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparkchat", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, **kw)
+
+
+def flags_without_default(help_text: str) -> list[str]:
+    """The options whose --help entry does not say its default (-h and --version excepted)."""
+    entries = re.split(r"\n  (?=-)", help_text.split("options:", 1)[1])[1:]
+    flags = [e.split()[0].rstrip(",") for e in entries if "default" not in e]
+    return [f for f in flags if f not in ("-h", "--version")]
+
+
+def test_version_is_the_package_version():
+    r = sparkchat("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"sparkchat {version()}"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^version = "(.+)"', pyproject, re.M).group(1) == version()
+
+
+def test_help_lists_the_commands():
+    r = sparkchat("--help")
+    assert r.returncode == 0
+    for name in COMMANDS:
+        assert re.search(rf"^  {name} ", r.stdout, re.M), name
+
+
+@pytest.mark.parametrize("cmd", ["chat", "serve", pytest.param("probe", marks=PROBE_PENDING)])
+def test_command_help_shows_every_default(cmd):
+    r = sparkchat(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: sparkchat {cmd}")
+    assert flags_without_default(r.stdout) == []
+
+
+def test_flags_without_default_finds_one():  # the check above can fail
+    text = "usage: x\n\noptions:\n  -h, --help  show\n  --a A       thing (default: 1)\n  --b B       other\n"
+    assert flags_without_default(text) == ["--b"]
+
+
+HEAVY = ("torch", "fastapi", "gradio", "uvicorn", "transformer_engine")
+
+
+@pytest.mark.parametrize("cmd", ["", "chat", "serve", pytest.param("probe", marks=PROBE_PENDING)])
+def test_help_imports_nothing_heavy(cmd):
+    """`--help` must answer at once: parsing it loads none of the heavy packages (checked, not timed)."""
+    argv = [cmd, "--help"] if cmd else ["--help"]
+    code = (f"import sys\nfrom sparkchat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-300:]
+
+
+def test_unknown_or_missing_command_is_an_error():
+    r = sparkchat("trian")
+    assert r.returncode == 2 and "invalid choice: 'trian'" in r.stderr
+    r = sparkchat()
+    assert r.returncode == 2 and "a command is needed: chat, serve, probe" in r.stderr
 
 
 def test_chat_command_answers_and_exits(serve_model_dir):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "chat", "--model", str(serve_model_dir),
-                        "--max-tokens", "5", "--temperature", "0"],
-                       input="Hello there\nWhat is 2 + 2?\n", capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = sparkchat("chat", "--model", str(serve_model_dir), "--max-tokens", "5", "--temperature", "0",
+                  input="Hello there\nWhat is 2 + 2?\n/clear\nCafé?\n")
     assert r.returncode == 0, r.stderr
     assert "type a message" in r.stderr
-    assert r.stdout.count("> ") >= 2  # a prompt per turn, plus a reply after each
+    _, hello, sum_, cleared, cafe, bye = r.stdout.split("> ")  # a prompt per line read, and one at the end
+    assert all(reply.strip() and reply.endswith("\n") for reply in (hello, sum_, cafe))
+    assert cleared == "" and bye == "\n"
 
 
-def test_unknown_command_is_an_error():
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "trian"], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode != 0 and "unknown command 'trian'" in r.stderr
+def test_chat_command_names_a_missing_model(tmp_path):
+    r = sparkchat("chat", "--model", str(tmp_path), input="")
+    assert r.returncode == 2 and "is not a sparkchat model directory: config.json is missing" in r.stderr

@@ -200,3 +200,52 @@ def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
     e.submit([1, 2], SamplingParams(max_tokens=50), bad)
     ids, fin = run(e, [3, 4], temperature=0, max_tokens=5)
     assert len(ids) == 5 and fin.reason == "length"
+
+
+# ---- chat wiring (model/chat_engine.py) and the stream decoder (model/tokenizer.py) ----
+
+@pytest.mark.parametrize("tool_use", [True, False])
+def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool_use):
+    from model.chat import TOOL_DISPLAY
+    from model.chat_engine import chat_engine, sampling_params
+    from model.model_dir import DEFAULT_GENERATION
+    from model.tokenizer import StreamDecoder
+
+    tok = serve_tokenizer
+    s = tok.special
+    expr = tok.encode("6*7")
+    assert len(set(expr)) == len(expr) and 1 not in expr
+    chain = [1, s["<|python_start|>"], *expr, s["<|python_end|>"], s["<|assistant_end|>"]]
+    table = dict(zip(chain, chain[1:]))
+    table[s["<|output_end|>"]] = s["<|assistant_end|>"]  # after the tool's answer, the reply ends
+    gen = {**DEFAULT_GENERATION, "tool_use": tool_use}
+    engine = chat_engine(ScriptModel(table, vocab=tok.vocab_size), tok, gen, max_batch=2)
+    try:
+        ids, fin = engine.generate([1], sampling_params(gen, temperature=0))
+    finally:
+        engine.shutdown()
+    assert fin.reason == "stop"  # <|assistant_end|> is a stop id, not emitted
+    dec = StreamDecoder(tok, TOOL_DISPLAY)
+    text = "".join(dec.push(i) for i in ids) + dec.flush()
+    assert text == ("`6*7 = 42`" if tool_use else "`6*7 = ")
+    dropped = StreamDecoder(tok)  # without a display, special ids are skipped
+    assert "".join(dropped.push(i) for i in ids) + dropped.flush() == ("6*742" if tool_use else "6*7")
+
+
+def test_sampling_params_fill_in_generation_defaults():
+    from model.chat_engine import sampling_params
+    gen = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "max_tokens": 256}
+    p = sampling_params(gen, temperature=0.0, max_tokens=5, seed=3)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.seed) == (0.0, 50, 0.9, 5, 3)
+    with pytest.raises(ValueError, match="max_tokens"):
+        sampling_params(gen, max_tokens=0)
+
+
+def test_utf8_pieces_are_whole(serve_tokenizer):
+    from model.chat import TOOL_DISPLAY
+    from model.tokenizer import StreamDecoder
+    text = "Café naïve 你好世界 🙂🚀 résumé"
+    dec = StreamDecoder(serve_tokenizer, TOOL_DISPLAY)
+    pieces = [dec.push(i) for i in serve_tokenizer.encode(text)] + [dec.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 5  # it did stream

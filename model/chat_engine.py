@@ -1,0 +1,37 @@
+"""A chat engine wired from a loaded model directory (`model.model_dir.load_model_dir`).
+
+The engine itself works on ids only and knows nothing of chat; this is the one place that says which
+ids end a reply, which ids delimit a calculator call, whether the model may call the calculator at all
+(generation.json's `tool_use`) and how generation.json's defaults fill in the sampling values a caller
+leaves out. The terminal chat, the evaluate stage and the server all build their engine here.
+"""
+from __future__ import annotations
+
+from .calculator import calculator_tool
+from .engine import Engine, EngineConfig, SamplingParams
+from .tokenizer import SparkTokenizer
+
+STOP_TOKENS = ("<|assistant_end|>", "<|bos|>")  # a reply ends at either (the engine does not emit them)
+
+
+def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engine:
+    """A started Engine over `model` with the chat stop ids, and the calculator tool when `gen["tool_use"]`.
+
+    `engine_options` are the other EngineConfig fields the caller decides (max_batch, max_queue, ...).
+    """
+    s = tok.special
+    tool_use = bool(gen.get("tool_use"))
+    cfg = EngineConfig(stop_ids=tuple(s[name] for name in STOP_TOKENS),
+                       tool_start=s["<|python_start|>"] if tool_use else None,
+                       tool_end=s["<|python_end|>"] if tool_use else None,
+                       **engine_options)
+    return Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None).start()
+
+
+def sampling_params(gen: dict, temperature=None, top_k=None, top_p=None, max_tokens=None,
+                    seed=None) -> SamplingParams:
+    """SamplingParams from the values given, generation.json's defaults (`gen`) for those left None."""
+    pick = lambda v, k: gen[k] if v is None else v  # noqa: E731
+    return SamplingParams(temperature=float(pick(temperature, "temperature")),
+                          top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
+                          max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed)
