@@ -102,14 +102,17 @@ def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> d
 
 
 def http_levels(model_dir: Path, levels, new: int) -> dict:
-    """The same levels through `python -m serve` (a separate process) and the OpenAI streaming API."""
+    """The same levels through the server in a separate process (the API alone: the chat page adds
+    nothing to a request's path) and the OpenAI streaming API."""
     import httpx
 
     from bench.serve import free_port, one_stream
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(port), "--device", "cuda",
-           "--max-batch", str(max(levels)), "--max-queue", "1024"]
+    launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
+              "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device='cuda', max_batch=int(sys.argv[2]), "
+              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[3]), log_level='warning')")
+    cmd = [sys.executable, "-c", launch, str(model_dir), str(max(levels)), str(port)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     out = {}
