@@ -101,6 +101,34 @@ def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> d
     return out
 
 
+def greedy_agreement(model, vocab: int, n_prompts: int = 10, new: int = 32) -> dict:
+    """Greedy ids of the graph path (all prompts at once) against the eager path (one at a time)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 600, (n_prompts,), generator=g)]
+    params = SamplingParams(temperature=0.0, max_tokens=new)
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, prefill_chunk=10_000)).start()
+    try:
+        want = [eager.generate(p, params)[0] for p in prompts]
+    finally:
+        eager.shutdown()
+    fast = Engine(model, EngineConfig(max_batch=16)).start()
+    try:
+        box: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i, p: box.__setitem__(i, fast.generate(p, params)[0]), args=(i, p))
+                   for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        fast.shutdown()
+    same = sum(box[i] == w for i, w in enumerate(want))
+    return {"prompts": n_prompts, "identical": same,
+            "first_difference": [next((k for k, (a, b) in enumerate(zip(box[i], w)) if a != b), None)
+                                 for i, w in enumerate(want)]}
+
+
 def http_levels(model_dir: Path, levels, new: int) -> dict:
     """The same levels through the server in a separate process (the API alone: the chat page adds
     nothing to a request's path) and the OpenAI streaming API."""
@@ -174,6 +202,12 @@ def main(argv=None) -> dict:
            "prompt_tokens": args.prompt, "new_tokens": args.new}
     print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
           f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
+    t = time.perf_counter()
+    Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
+    res["warmup_s"] = round(time.perf_counter() - t, 1)
+    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
+    res["greedy_vs_eager"] = greedy_agreement(model, args.vocab)
+    print(f"greedy ids, graphs vs eager, 10 prompts: {res['greedy_vs_eager']}", flush=True)
     variants = [("graphs", True)] + ([("eager", False)] if args.eager else [])
     for name, graphs in variants:
         r = engine_levels(model, levels, args.prompt, args.new, graphs, args.vocab)

@@ -196,7 +196,8 @@ class EngineConfig:
     prefill_chunk: int = 512
     """Prompt ids prefilled per request and scheduler step; longer prompts take several steps."""
     cuda_graphs: bool = True
-    """On CUDA, replay decode steps from CUDA graphs (one per bucket of rows and cache slots)."""
+    """On CUDA, replay decode steps from CUDA graphs (one per bucket of rows and cache slots), over
+    blocks compiled with torch.compile."""
 
 
 class Engine:
@@ -262,6 +263,10 @@ class Engine:
         with self._cv:
             if self._running:
                 return self
+        if self.graphs is not None:
+            with torch.inference_mode():  # the mode the scheduler runs in (compiled code is guarded on it)
+                self.graphs.warmup()
+        with self._cv:
             self._running = True
         self._thread = threading.Thread(target=self._loop, name="sparkchat-engine", daemon=True)
         self._thread.start()
@@ -375,33 +380,43 @@ class Engine:
         n = len(self.active)
         ids = [r.last if not r.prefilling else 0 for r in self.active]
         kv_len = max(self.lens[:n]) + 1
-        if self.graphs is not None:
-            logits = self.graphs.step(ids, kv_len)
+        decoding = [row for row, r in enumerate(self.active) if not r.prefilling]
+        if self.graphs is not None:  # the forward and the sampling in one graph replay
+            idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
+            settings = [idle if r.prefilling else self._settings([r])[0] for r in self.active]
+            sampled = self.graphs.step(ids, settings, kv_len)
+            logits = None
         else:
             x = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
-            logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]
+            logits, sampled = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1], None
         self.steps += 1
-        decoding = []
         for row, req in enumerate(self.active):
             if req.prefilling:
                 self.cache.lengths[row] = self.lens[row]
             else:
                 self.lens[row] += 1
-                decoding.append(row)
         if len(decoding) == n:
-            self._advance(self.active, logits)
+            self._advance(self.active, logits, sampled)
+        elif sampled is not None:
+            self._advance([self.active[r] for r in decoding], sampled=[sampled[r] for r in decoding])
         else:
             self._advance([self.active[r] for r in decoding], logits[torch.tensor(decoding, device=self.device)])
 
-    def _advance(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Pick each row's next id (forced, or sampled from its logits) and emit it."""
-        # every row's settings and random number in one host-to-device copy
-        rows = torch.tensor([[r.params.temperature, r.params.top_k, r.params.top_p, r.uniform()] for r in reqs],
-                            dtype=torch.float64).to(logits.device, non_blocking=True)
-        ks = [r.params.top_k for r in reqs]
-        k_max = max(ks) if min(ks) > 0 else 0
-        sampled = sample(logits, rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), rows[:, 3].float(),
-                         k_max).tolist()
+    @staticmethod
+    def _settings(reqs: list[Request]) -> list[list[float]]:
+        """Each row's sampling settings and next random number: temperature, top_k, top_p, uniform."""
+        return [[r.params.temperature, r.params.top_k, r.params.top_p, r.uniform()] for r in reqs]
+
+    def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None,
+                 sampled: list[int] | None = None) -> None:
+        """Pick each row's next id (forced, or sampled from its logits unless given) and emit it."""
+        if sampled is None:
+            # every row's settings in one host-to-device copy
+            rows = torch.tensor(self._settings(reqs), dtype=torch.float64).to(logits.device, non_blocking=True)
+            ks = [r.params.top_k for r in reqs]
+            k_max = max(ks) if min(ks) > 0 else 0
+            sampled = sample(logits, rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), rows[:, 3].float(),
+                             k_max).tolist()
         for req, tok in zip(reqs, sampled):
             if req.done:
                 continue
@@ -481,60 +496,95 @@ class DecodeGraphs:
     """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
     slots to a power of two of at least 64), captured the first time a bucket is needed.
 
-    A graph reads its input ids from a fixed buffer and writes logits to a fixed output; it runs over
-    cache rows 0..B-1 and slots 0..L-1 of the engine's one cache, whose storage never moves. Rows past
-    the active ones are free: their length is set to 0 before a replay, so what the graph writes there
-    is harmless (a row is reset when a request takes it).
+    A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
+    one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
+    fixed buffers and writing the sampled ids to a fixed output. The blocks are compiled first
+    (`torch.compile`, dynamic shapes: one compile serves every bucket), so a step is a few fused
+    kernels per layer rather than dozens of small ones. Rows past the active ones are free: their
+    length is set to 0 before a replay, so what the graph writes there is harmless (a row is reset
+    when a request takes it).
     """
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: "Engine", compile_blocks: bool = True):
         self.engine = engine
-        self.ids = torch.zeros((engine.config.max_batch, 1), dtype=torch.long, device=engine.device)
-        # pinned, so the copy of each step's ids is asynchronous (the previous one finished: every
+        n, dev = engine.config.max_batch, engine.device
+        self.ids = torch.zeros((n, 1), dtype=torch.long, device=dev)
+        self.settings = torch.zeros((n, 4), dtype=torch.float32, device=dev)
+        # pinned, so each step's inputs go over asynchronously (the previous copy has finished: every
         # step ends by reading the sampled ids back)
-        self.ids_host = torch.zeros(engine.config.max_batch, dtype=torch.long).pin_memory()
+        self.host = torch.zeros((n, 5), dtype=torch.float32).pin_memory()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        if compile_blocks:
+            for block in engine.model.blocks:
+                block.compile(dynamic=True)
 
     @staticmethod
     def _pow2(n: int, floor: int = 1) -> int:
         return max(floor, 1 << (n - 1).bit_length())
 
-    def step(self, ids: list[int], kv_len: int) -> torch.Tensor:
+    def step(self, ids: list[int], settings: list[list[float]], kv_len: int) -> list[int]:
         e = self.engine
         n = len(ids)
         rows = min(self._pow2(n), e.config.max_batch)
         slots = min(self._pow2(kv_len, 64), e.max_len)
-        self.ids_host[:n] = torch.tensor(ids)
-        self.ids[:n, 0].copy_(self.ids_host[:n], non_blocking=True)
+        self.host[:n, 0] = torch.tensor(ids, dtype=torch.float32)  # ids < 2**24: exact in fp32
+        self.host[:n, 1:] = torch.tensor(settings, dtype=torch.float32)
+        staged = self.host[:n].to(e.device, non_blocking=True)
+        self.ids[:n, 0] = staged[:, 0].long()
+        self.settings[:n] = staged[:, 1:]
         if rows > n:
             e.cache.lengths[n:rows].zero_()
         key = (rows, slots)
         if key not in self.graphs:
             self.graphs[key] = self._capture(rows, slots)
-        graph, logits = self.graphs[key]
+        graph, out = self.graphs[key]
         graph.replay()
-        return logits[:n]
+        return out[:n].tolist()
+
+    def warmup(self) -> None:
+        """Compile the blocks for prefill shapes and capture every decode bucket now, so that no
+        request waits for a compile or a capture."""
+        e = self.engine
+        for b in (1, 2):
+            view = e.cache.view(0, b)
+            e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
+        e.cache.lengths.zero_()
+        rows = 1
+        while True:
+            slots = 64
+            while True:
+                if (rows, slots) not in self.graphs:
+                    self.graphs[(rows, slots)] = self._capture(rows, slots)
+                if slots >= e.max_len:
+                    break
+                slots = min(2 * slots, e.max_len)
+            if rows >= e.config.max_batch:
+                break
+            rows = min(2 * rows, e.config.max_batch)
 
     def _capture(self, rows: int, slots: int):
         e = self.engine
         view = e.cache.view(0, rows)
         saved = view.lengths.clone()
+        s = self.settings[:rows]
 
-        def forward():
-            return e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
+        def step():
+            logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
+            return sample(logits, s[:, 0], s[:, 1].long(), s[:, 2], s[:, 3])
 
-        # warm up on a side stream (cuBLAS picks its kernels, allocations settle), then capture;
-        # the cache lengths the warm-up advanced are put back
+        # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture; the cache
+        # lengths the warm-up advanced are put back
         stream = torch.cuda.Stream(e.device)
         stream.wait_stream(torch.cuda.current_stream(e.device))
         with torch.cuda.stream(stream):
-            forward()
+            for _ in range(2):
+                step()
+                view.lengths.copy_(saved)
         torch.cuda.current_stream(e.device).wait_stream(stream)
-        view.lengths.copy_(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
+            out = step()
         self.pool = graph.pool()
         view.lengths.copy_(saved)
-        return graph, logits
+        return graph, out
