@@ -494,7 +494,8 @@ class Engine:
 
 class DecodeGraphs:
     """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
-    slots to a power of two of at least 64), captured the first time a bucket is needed.
+    slots to a power of two of at least 64, and whether every row's top_k is within TOP_K, so that only
+    that many logits are sorted), all captured when the engine starts.
 
     A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
     one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
@@ -513,7 +514,7 @@ class DecodeGraphs:
         # pinned, so each step's inputs go over asynchronously (the previous copy has finished: every
         # step ends by reading the sampled ids back)
         self.host = torch.zeros((n, 5), dtype=torch.float32).pin_memory()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         if compile_blocks:
             for block in engine.model.blocks:
@@ -523,11 +524,15 @@ class DecodeGraphs:
     def _pow2(n: int, floor: int = 1) -> int:
         return max(floor, 1 << (n - 1).bit_length())
 
+    # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
+    TOP_K = 256
+
     def step(self, ids: list[int], settings: list[list[float]], kv_len: int) -> list[int]:
         e = self.engine
         n = len(ids)
         rows = min(self._pow2(n), e.config.max_batch)
         slots = min(self._pow2(kv_len, 64), e.max_len)
+        k_max = self.TOP_K if all(0 < s[1] <= self.TOP_K for s in settings) else 0
         self.host[:n, 0] = torch.tensor(ids, dtype=torch.float32)  # ids < 2**24: exact in fp32
         self.host[:n, 1:] = torch.tensor(settings, dtype=torch.float32)
         staged = self.host[:n].to(e.device, non_blocking=True)
@@ -535,9 +540,9 @@ class DecodeGraphs:
         self.settings[:n] = staged[:, 1:]
         if rows > n:
             e.cache.lengths[n:rows].zero_()
-        key = (rows, slots)
+        key = (rows, slots, k_max)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(rows, slots)
+            self.graphs[key] = self._capture(*key)
         graph, out = self.graphs[key]
         graph.replay()
         return out[:n].tolist()
@@ -554,8 +559,9 @@ class DecodeGraphs:
         while True:
             slots = 64
             while True:
-                if (rows, slots) not in self.graphs:
-                    self.graphs[(rows, slots)] = self._capture(rows, slots)
+                for k_max in (self.TOP_K, 0):
+                    if (rows, slots, k_max) not in self.graphs:
+                        self.graphs[(rows, slots, k_max)] = self._capture(rows, slots, k_max)
                 if slots >= e.max_len:
                     break
                 slots = min(2 * slots, e.max_len)
@@ -563,7 +569,7 @@ class DecodeGraphs:
                 break
             rows = min(2 * rows, e.config.max_batch)
 
-    def _capture(self, rows: int, slots: int):
+    def _capture(self, rows: int, slots: int, k_max: int):
         e = self.engine
         view = e.cache.view(0, rows)
         saved = view.lengths.clone()
@@ -571,7 +577,7 @@ class DecodeGraphs:
 
         def step():
             logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
-            return sample(logits, s[:, 0], s[:, 1].long(), s[:, 2], s[:, 3])
+            return sample(logits, s[:, 0], s[:, 1].long(), s[:, 2], s[:, 3], k_max)
 
         # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture; the cache
         # lengths the warm-up advanced are put back

@@ -71,11 +71,16 @@ def test_graphs_give_the_eager_greedy_ids():
 def test_seeded_sampling_is_reproducible_under_graphs():
     model = gpu_model_bf16()
     engine = Engine(model, EngineConfig(max_batch=16)).start()
+
+    def run(params):  # one request at a time: the same batch each time (another batch may round differently)
+        return [generate_all(engine, [p], lambda _: params)[0] for p in prompts()]
+
     try:
-        sampled = lambda i: SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=40, seed=i)  # noqa: E731
-        a = generate_all(engine, prompts(), sampled)
-        b = generate_all(engine, prompts(), sampled)
+        top_k = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=40, seed=i) for i in range(2)]
+        full_sort = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=3)  # top_k 0: the other graph
+        a, b, c, d = run(top_k[0]), run(top_k[0]), run(full_sort), run(full_sort)
+        other_seed = run(top_k[1])
     finally:
         engine.shutdown()
-    assert a == b
-    assert len({tuple(x) for x in a}) == len(a)
+    assert a == b and c == d
+    assert a != other_seed
