@@ -10,10 +10,20 @@ prefills them in one forward over `cache.view(n, n+k)` (k=1: a request alone in 
 active row decodes together in one forward over `cache.view(0, n+k)`.
 A finished or cancelled row leaves at once: the last active row is moved into its slot (`copy_row`), so
 the rows stay contiguous and the next step is again one forward over rows 0..n-1.
+A prompt longer than `prefill_chunk` is prefilled a chunk per scheduler step, so the rows already
+decoding keep producing tokens in between; until its prompt is in, its row sits out of each decode.
 
-Sampling. Each request owns a `torch.Generator` (seeded => the same request gives the same ids); per
-step it draws one uniform number per row, and the batched sampler (temperature, top-k, top-p) turns it
-into a token by inverse-CDF, so a row's randomness never depends on its neighbours.
+No host synchronisation inside a step. The scheduler keeps every row's length on the host (`lens`), so
+the forward is told how many cache slots to attend over instead of reading the lengths back from the
+GPU. On CUDA a decode step is therefore a fixed sequence of kernels for a given (rows, slots) pair, and
+is replayed from a CUDA graph captured once per bucket: rows rounded up to a power of two, slots to a
+power of two (at least 64), so attention reads about as much of the cache as the longest row holds.
+The one device-to-host copy per step is the sampled ids, which the scheduler needs to stream them.
+
+Sampling. Each request owns a `torch.Generator` (seeded => the same request gives the same ids) from
+which it draws its uniform numbers on the host, ahead of time in blocks; the batched sampler
+(temperature, top-k, top-p) runs on the model's device and turns each row's number into a token by
+inverse CDF, so a row's randomness never depends on its neighbours.
 
 Tools. If the model emits `tool_start ... tool_end` (the calculator call), the engine passes the ids in
 between to the `tool` callback and force-feeds the ids it returns (e.g. <|output_start|> 4
@@ -96,17 +106,21 @@ Tool = Callable[[list[int]], Sequence[int]]
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           uniform: torch.Tensor) -> torch.Tensor:
+           uniform: torch.Tensor, k_max: int = 0) -> torch.Tensor:
     """Batched sampling with per-row settings. logits (B, V); the rest (B,). Returns ids (B,).
 
     Rows with temperature 0 take the argmax. Others sort once, cut to top-k and top-p, and pick the
-    token where the cumulative probability first exceeds `uniform` (inverse CDF).
+    token where the cumulative probability first exceeds `uniform` (inverse CDF). `k_max` > 0 promises
+    that every row's top_k is in 1..k_max: then only the k_max largest logits are sorted.
     """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
-    V = logits.shape[-1]
     scaled = logits / temperature.clamp(min=1e-5)[:, None]
-    vals, idx = scaled.sort(dim=-1, descending=True)
+    if 0 < k_max < logits.shape[-1]:
+        vals, idx = scaled.topk(k_max, dim=-1)  # sorted, largest first
+    else:
+        vals, idx = scaled.sort(dim=-1, descending=True)
+    V = vals.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
     vals = vals.masked_fill(rank >= k, float("-inf"))
@@ -138,7 +152,9 @@ class Request:
             self.generator.seed()
         else:
             self.generator.manual_seed(params.seed)
+        self._uniforms: list[float] = []
         self.generated = 0
+        self.prefilled = 0  # prompt ids already in the cache
         self.last = -1  # the id to feed at the next decode step
         self.forced: collections.deque[int] = collections.deque()
         self.tool_buf: list[int] | None = None  # ids of a tool call being written
@@ -148,6 +164,17 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def uniform(self) -> float:
+        """The next number of this request's own random stream (drawn in blocks: one call per row and
+        step would cost more host time than the GPU's whole decode step)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
 
 
 @dataclass
@@ -166,6 +193,11 @@ class EngineConfig:
     """A tool call longer than this is abandoned (the ids stay plain output)."""
     dtype: torch.dtype | None = None
     """KV-cache dtype; default: the model's parameter dtype."""
+    prefill_chunk: int = 512
+    """Prompt ids prefilled per request and scheduler step; longer prompts take several steps."""
+    cuda_graphs: bool = True
+    """On CUDA, replay decode steps from CUDA graphs (one per bucket of rows and cache slots), over
+    blocks compiled with torch.compile."""
 
 
 class Engine:
@@ -179,6 +211,8 @@ class Engine:
         self.device = p.device
         self.max_len = min(config.max_len or model.config.seq_len, getattr(model, "rope_len", 1 << 30))
         self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype)
+        self.lens = [0] * config.max_batch  # tokens each cache row holds (the host's copy: no reads back)
+        self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
         self.active: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -229,6 +263,10 @@ class Engine:
         with self._cv:
             if self._running:
                 return self
+        if self.graphs is not None:
+            with torch.inference_mode():  # the mode the scheduler runs in (compiled code is guarded on it)
+                self.graphs.warmup()
+        with self._cv:
             self._running = True
         self._thread = threading.Thread(target=self._loop, name="sparkchat-engine", daemon=True)
         self._thread.start()
@@ -273,8 +311,9 @@ class Engine:
                         return
                 try:
                     self._admit()
+                    self._prefill_chunks()
                     self._evict()
-                    if self.active:
+                    if any(not r.prefilling for r in self.active):
                         self._decode()
                         self._evict()
                 except Exception as e:  # never let one bad step kill the server
@@ -283,7 +322,8 @@ class Engine:
                     self.active.clear()
 
     def _admit(self) -> None:
-        """Move waiting requests into free rows n.. and prefill them together in one forward.
+        """Move waiting requests into free rows n.. and prefill them together in one forward (a long
+        prompt: its first chunk).
 
         Prompts are right-padded to the longest: causal attention keeps the padding from touching real
         tokens, each row's length is then set to its own prompt, and the padding's keys (beyond the
@@ -300,32 +340,83 @@ class Engine:
         if not new:
             return
         start = len(self.active)
-        longest = max(len(r.prompt) for r in new)
+        chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
+        longest = max(len(c) for c in chunks)
         ids = torch.zeros((len(new), longest), dtype=torch.long)
-        for b, r in enumerate(new):
-            ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
-            self.cache.reset_row(start + b)
-        view = self.cache.view(start, start + len(new))
-        logits = self.model(ids.to(self.device), kv_cache=view)
-        last = torch.tensor([len(r.prompt) - 1 for r in new], device=self.device)
-        view.lengths.copy_(last + 1)
+        for b, c in enumerate(chunks):
+            ids[b, :len(c)] = torch.tensor(c)
+        self._set_lens(start, [0] * len(new))
+        logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
+        self._set_lens(start, [len(c) for c in chunks])
+        for r, c in zip(new, chunks):
+            r.prefilled = len(c)
         self.active.extend(new)
-        self._advance(new, logits[torch.arange(len(new), device=self.device), last])
+        ready = [b for b, r in enumerate(new) if not r.prefilling]
+        if ready:
+            last = torch.tensor([len(chunks[b]) - 1 for b in ready], device=self.device)
+            rows = torch.tensor(ready, device=self.device)
+            self._advance([new[b] for b in ready], logits[rows, last])
+
+    def _prefill_chunks(self) -> None:
+        """The next chunk of every prompt still being prefilled, one request at a time."""
+        for row, req in enumerate(self.active):
+            if not req.prefilling or req.done:
+                continue
+            chunk = req.prompt[req.prefilled:req.prefilled + self.config.prefill_chunk]
+            ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            logits = self.model(ids, kv_cache=self.cache.view(row, row + 1), kv_len=self.lens[row] + len(chunk))
+            self.lens[row] += len(chunk)
+            req.prefilled += len(chunk)
+            if not req.prefilling:
+                self._advance([req], logits[:, -1])
+
+    def _set_lens(self, start: int, lens: list[int]) -> None:
+        self.lens[start:start + len(lens)] = lens
+        self.cache.lengths[start:start + len(lens)] = torch.tensor(lens)
 
     def _decode(self) -> None:
+        """One token for every row whose prompt is in. Rows still prefilling ride along (the batch keeps
+        its shape) and are put back to their length afterwards; their slot gets overwritten later."""
         n = len(self.active)
-        ids = torch.tensor([[r.last] for r in self.active], dtype=torch.long, device=self.device)
-        logits = self.model(ids, kv_cache=self.cache.view(0, n))[:, -1]
+        ids = [r.last if not r.prefilling else 0 for r in self.active]
+        kv_len = max(self.lens[:n]) + 1
+        decoding = [row for row, r in enumerate(self.active) if not r.prefilling]
+        if self.graphs is not None:  # the forward and the sampling in one graph replay
+            idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
+            settings = [idle if r.prefilling else self._settings([r])[0] for r in self.active]
+            sampled = self.graphs.step(ids, settings, kv_len)
+            logits = None
+        else:
+            x = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
+            logits, sampled = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1], None
         self.steps += 1
-        self._advance(self.active, logits)
+        for row, req in enumerate(self.active):
+            if req.prefilling:
+                self.cache.lengths[row] = self.lens[row]
+            else:
+                self.lens[row] += 1
+        if len(decoding) == n:
+            self._advance(self.active, logits, sampled)
+        elif sampled is not None:
+            self._advance([self.active[r] for r in decoding], sampled=[sampled[r] for r in decoding])
+        else:
+            self._advance([self.active[r] for r in decoding], logits[torch.tensor(decoding, device=self.device)])
 
-    def _advance(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Pick each row's next id (forced, or sampled from its logits) and emit it."""
-        temp = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=logits.device)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
-        u = torch.cat([torch.rand(1, generator=r.generator) for r in reqs]).to(logits.device)
-        sampled = sample(logits, temp, top_k, top_p, u).tolist()
+    @staticmethod
+    def _settings(reqs: list[Request]) -> list[list[float]]:
+        """Each row's sampling settings and next random number: temperature, top_k, top_p, uniform."""
+        return [[r.params.temperature, r.params.top_k, r.params.top_p, r.uniform()] for r in reqs]
+
+    def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None,
+                 sampled: list[int] | None = None) -> None:
+        """Pick each row's next id (forced, or sampled from its logits unless given) and emit it."""
+        if sampled is None:
+            # every row's settings in one host-to-device copy
+            rows = torch.tensor(self._settings(reqs), dtype=torch.float64).to(logits.device, non_blocking=True)
+            ks = [r.params.top_k for r in reqs]
+            k_max = max(ks) if min(ks) > 0 else 0
+            sampled = sample(logits, rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), rows[:, 3].float(),
+                             k_max).tolist()
         for req, tok in zip(reqs, sampled):
             if req.done:
                 continue
@@ -391,9 +482,115 @@ class Engine:
             if req.done:
                 last = len(self.active) - 1
                 if i != last:
-                    self.cache.copy_row(last, i)
+                    self.cache.copy_row(last, i, self.lens[last])
+                    self.lens[i] = self.lens[last]
                     self.active[i] = self.active[last]
                 self.cache.reset_row(last)
+                self.lens[last] = 0
                 self.active.pop()
             else:
                 i += 1
+
+
+class DecodeGraphs:
+    """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
+    slots to a power of two of at least 64, and whether every row's top_k is within TOP_K, so that only
+    that many logits are sorted), all captured when the engine starts.
+
+    A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
+    one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
+    fixed buffers and writing the sampled ids to a fixed output. The blocks are compiled first
+    (`torch.compile`, dynamic shapes: one compile serves every bucket), so a step is a few fused
+    kernels per layer rather than dozens of small ones. Rows past the active ones are free: their
+    length is set to 0 before a replay, so what the graph writes there is harmless (a row is reset
+    when a request takes it).
+    """
+
+    def __init__(self, engine: "Engine", compile_blocks: bool = True):
+        self.engine = engine
+        n, dev = engine.config.max_batch, engine.device
+        self.ids = torch.zeros((n, 1), dtype=torch.long, device=dev)
+        self.settings = torch.zeros((n, 4), dtype=torch.float32, device=dev)
+        # pinned, so each step's inputs go over asynchronously (the previous copy has finished: every
+        # step ends by reading the sampled ids back)
+        self.host = torch.zeros((n, 5), dtype=torch.float32).pin_memory()
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        if compile_blocks:
+            for block in engine.model.blocks:
+                block.compile(dynamic=True)
+
+    @staticmethod
+    def _pow2(n: int, floor: int = 1) -> int:
+        return max(floor, 1 << (n - 1).bit_length())
+
+    # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
+    TOP_K = 256
+
+    def step(self, ids: list[int], settings: list[list[float]], kv_len: int) -> list[int]:
+        e = self.engine
+        n = len(ids)
+        rows = min(self._pow2(n), e.config.max_batch)
+        slots = min(self._pow2(kv_len, 64), e.max_len)
+        k_max = self.TOP_K if all(0 < s[1] <= self.TOP_K for s in settings) else 0
+        self.host[:n, 0] = torch.tensor(ids, dtype=torch.float32)  # ids < 2**24: exact in fp32
+        self.host[:n, 1:] = torch.tensor(settings, dtype=torch.float32)
+        staged = self.host[:n].to(e.device, non_blocking=True)
+        self.ids[:n, 0] = staged[:, 0].long()
+        self.settings[:n] = staged[:, 1:]
+        if rows > n:
+            e.cache.lengths[n:rows].zero_()
+        key = (rows, slots, k_max)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out[:n].tolist()
+
+    def warmup(self) -> None:
+        """Compile the blocks for prefill shapes and capture every decode bucket now, so that no
+        request waits for a compile or a capture."""
+        e = self.engine
+        for b in (1, 2):
+            view = e.cache.view(0, b)
+            e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
+        e.cache.lengths.zero_()
+        rows = 1
+        while True:
+            slots = 64
+            while True:
+                for k_max in (self.TOP_K, 0):
+                    if (rows, slots, k_max) not in self.graphs:
+                        self.graphs[(rows, slots, k_max)] = self._capture(rows, slots, k_max)
+                if slots >= e.max_len:
+                    break
+                slots = min(2 * slots, e.max_len)
+            if rows >= e.config.max_batch:
+                break
+            rows = min(2 * rows, e.config.max_batch)
+
+    def _capture(self, rows: int, slots: int, k_max: int):
+        e = self.engine
+        view = e.cache.view(0, rows)
+        saved = view.lengths.clone()
+        s = self.settings[:rows]
+
+        def step():
+            logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
+            return sample(logits, s[:, 0], s[:, 1].long(), s[:, 2], s[:, 3], k_max)
+
+        # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture; the cache
+        # lengths the warm-up advanced are put back
+        stream = torch.cuda.Stream(e.device)
+        stream.wait_stream(torch.cuda.current_stream(e.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+                view.lengths.copy_(saved)
+        torch.cuda.current_stream(e.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self.pool = graph.pool()
+        view.lengths.copy_(saved)
+        return graph, out

@@ -91,9 +91,9 @@ class KVCache:
         return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
                                    self.lengths[start:stop], self.max_len)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Move row src into row dst (used to keep active rows contiguous)."""
-        n = int(self.lengths[src])
+    def copy_row(self, src: int, dst: int, n: int | None = None) -> None:
+        """Move row src, which holds n tokens, into row dst (used to keep active rows contiguous)."""
+        n = int(self.lengths[src]) if n is None else n
         for k, v in zip(self.k, self.v):
             k[dst, :, :n] = k[src, :, :n]
             v[dst, :, :n] = v[src, :, :n]
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.qkv_rows = config.qkv_rows
 
-    def forward(self, x, cos, sin, cache: tuple | None, positions):
+    def forward(self, x, cos, sin, cache: tuple | None, positions, kv_len: int = 0):
         B, T, _ = x.shape
         q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
         # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only SDPA sees (B, H, T, D).
@@ -132,9 +132,10 @@ class Attention(nn.Module):
             # advanced indices around a slice put (B, T) first: assign (B, T, H, D)
             kc[rows, :, positions] = k.to(kc.dtype)
             vc[rows, :, positions] = v.to(vc.dtype)
-            n_keys = int(positions.max()) + 1
-            keys, values = kc[:, :, :n_keys].to(q.dtype), vc[:, :, :n_keys].to(q.dtype)
-            mask = torch.arange(n_keys, device=x.device)[None, None, :] <= positions[:, :, None]
+            # attend over the first kv_len slots only (the caller's bound on every row's length),
+            # each row masked to its own length
+            keys, values = kc[:, :, :kv_len].to(q.dtype), vc[:, :, :kv_len].to(q.dtype)
+            mask = torch.arange(kv_len, device=x.device)[None, None, :] <= positions[:, :, None]
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], **gqa)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -157,10 +158,10 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache: tuple | None = None, positions=None):
+    def forward(self, x, cos, sin, cache: tuple | None = None, positions=None, kv_len: int = 0):
         # cache: this layer's (keys, values) during generation; no layer index, so torch.compile
         # sees every block as the same code (one compile, not one per layer)
-        x = x + self.attn(norm(x), cos, sin, cache, positions)
+        x = x + self.attn(norm(x), cos, sin, cache, positions, kv_len)
         return x + self.mlp(norm(x))
 
 
@@ -213,7 +214,10 @@ class GPT(nn.Module):
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.seq_len
 
     def forward(self, idx, targets=None, kv_cache: KVCache | None = None,
-                reduction: str = "mean"):
+                reduction: str = "mean", kv_len: int | None = None):
+        """Logits (B, T, V), or the loss with `targets`. With `kv_cache`, the new tokens go after each
+        row's cached ones; `kv_len`, when the caller knows it, bounds every row's length after this
+        call (it keeps the call free of host synchronisation, so it can be captured in a CUDA graph)."""
         B, T = idx.shape
         if kv_cache is None:
             if T > self.rope_len:
@@ -222,12 +226,14 @@ class GPT(nn.Module):
             positions = None
         else:
             positions = kv_cache.lengths[:, None] + torch.arange(T, device=idx.device)[None, :]
-            if int(positions.max()) >= min(kv_cache.max_len, self.rope_len):
+            if kv_len is None:
+                kv_len = int(positions.max()) + 1
+            if kv_len > min(kv_cache.max_len, self.rope_len):
                 raise ValueError("sequence is longer than the KV cache / context")
             cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         x = norm(self.wte(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]), positions)
+            x = block(x, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]), positions, kv_len)
         if kv_cache is not None:
             kv_cache.lengths += T
         return self.head(x, targets, reduction)

@@ -24,7 +24,7 @@ class ScriptModel(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.table, self.gate, self.inputs = table, gate, []
 
-    def forward(self, idx, kv_cache):
+    def forward(self, idx, kv_cache, kv_len=None):
         if self.gate is not None:
             self.gate.wait(10)
         self.inputs.append(idx.tolist())
@@ -249,3 +249,36 @@ def test_utf8_pieces_are_whole(serve_tokenizer):
     pieces = [dec.push(i) for i in serve_tokenizer.encode(text)] + [dec.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p) > 5  # it did stream
+
+def test_long_prompts_prefill_in_chunks_with_the_same_ids():
+    """A prompt longer than `prefill_chunk` goes in over several scheduler steps while another request
+    decodes; the ids equal those of a whole-prompt prefill (a real GPT, fp32 on CPU)."""
+    from model.gpt import GPT
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, seq_len=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_proj.weight.normal_(0, 0.1)
+            block.mlp.c_proj.weight.normal_(0, 0.1)
+        model.lm_head.weight.mul_(1000)
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    long, short = torch.randint(0, 64, (90,), generator=g).tolist(), [1, 2, 3]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    whole = Engine(model, EngineConfig(max_batch=4, prefill_chunk=1000)).start()
+    want = [whole.generate(p, greedy)[0] for p in (long, short)]
+    whole.shutdown()
+    chunked = Engine(model, EngineConfig(max_batch=4, prefill_chunk=16)).start()
+    try:
+        box = {}
+        threads = [threading.Thread(target=lambda k, p: box.__setitem__(k, chunked.generate(p, greedy)[0]),
+                                    args=(k, p)) for k, p in enumerate((long, short))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        chunked.shutdown()
+    assert [box[0], box[1]] == want

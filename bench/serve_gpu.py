@@ -1,0 +1,244 @@
+"""Decode speed on a GPU: the engine alone and the whole HTTP server, at 1, 16, 64 and 128 streams.
+
+A random model of the `h200` profile's shape (d20: width 1280, 10 heads of 128, vocab 65,536; bf16)
+serves every stream a 64-token prompt and 128 new tokens. For each level it prints tokens/s, time per
+decode step, the median time to first token, and the ratio to the weight-read bound: a decode step
+must read every weight once (the embedding table aside), so at the device's copy bandwidth, measured
+in the same run, one step cannot take less than bytes / bandwidth. Also: TTFT of one 512-token prompt
+at idle, and the engine with CUDA graphs off (the eager path) as the reference.
+
+    python -m bench.serve_gpu [--depth 20] [--levels 1,16,64,128] [--http] [--out bench/results/x.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
+from model.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def d_model(depth: int, vocab: int, device) -> GPT:
+    width = 64 * depth
+    cfg = GPTConfig(vocab_size=vocab, n_layer=depth, n_embd=width, n_head=width // 128, n_kv_head=width // 128,
+                    seq_len=2048)
+    with torch.device(device):
+        model = GPT(cfg)
+    model.init_weights(seed=0)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():  # non-zero residual outputs, so every layer's work matters
+        for block in model.blocks:
+            for lin in (block.attn.c_proj, block.mlp.c_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.02)
+    return model.to(torch.bfloat16).eval()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - t)
+
+
+def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
+    """Submit every prompt at once; time until the last finishes and each one's first token."""
+    first: list[float] = [0.0] * len(prompts)
+    tokens = [0] * len(prompts)
+    done = threading.Semaphore(0)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        def sink(ev, i=i):
+            if isinstance(ev, Token):
+                if tokens[i] == 0:
+                    first[i] = time.perf_counter() - t0
+                tokens[i] += 1
+            elif isinstance(ev, Finished):
+                done.release()
+        engine.submit(ids, SamplingParams(temperature=1.0, top_k=50, max_tokens=new, seed=i), sink)
+    for _ in prompts:
+        done.acquire()
+    secs = time.perf_counter() - t0
+    return {"tokens": sum(tokens), "seconds": secs, "tokens_per_s": sum(tokens) / secs,
+            "ttft_ms_median": 1000 * statistics.median(first)}
+
+
+def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> dict:
+    engine = Engine(model, EngineConfig(max_batch=max(levels), max_queue=1024, cuda_graphs=graphs)).start()
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    try:
+        for n in levels:
+            prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
+            run_streams(engine, prompts, new)  # warm-up: captures this level's graphs
+            r = run_streams(engine, prompts, new)
+            r["ms_per_step"] = 1000 * r["seconds"] / new
+            out[n] = r
+        long = torch.randint(0, vocab, (1, 512), generator=g).tolist()
+        ttft = [run_streams(engine, long, 1)["ttft_ms_median"] for _ in range(5)]
+        out["ttft_512_ms"] = statistics.median(ttft)
+    finally:
+        engine.shutdown()
+    return out
+
+
+def greedy_agreement(model, vocab: int, n_prompts: int = 10, new: int = 32) -> dict:
+    """Greedy ids of the graph path (all prompts at once) against the eager path (one at a time)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 600, (n_prompts,), generator=g)]
+    params = SamplingParams(temperature=0.0, max_tokens=new)
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, prefill_chunk=10_000)).start()
+    try:
+        want = [eager.generate(p, params)[0] for p in prompts]
+    finally:
+        eager.shutdown()
+    fast = Engine(model, EngineConfig(max_batch=16)).start()
+    try:
+        box: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i, p: box.__setitem__(i, fast.generate(p, params)[0]), args=(i, p))
+                   for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        fast.shutdown()
+    same = sum(box[i] == w for i, w in enumerate(want))
+    return {"prompts": n_prompts, "identical": same,
+            "first_difference": [next((k for k, (a, b) in enumerate(zip(box[i], w)) if a != b), None)
+                                 for i, w in enumerate(want)]}
+
+
+def http_levels(model_dir: Path, levels, new: int) -> dict:
+    """The same levels through the server in a separate process (the API alone: the chat page adds
+    nothing to a request's path) and the OpenAI streaming API."""
+    import httpx
+
+    from bench.serve import free_port, one_stream
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
+              "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device='cuda', max_batch=int(sys.argv[2]), "
+              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[3]), log_level='warning')")
+    cmd = [sys.executable, "-c", launch, str(model_dir), str(max(levels)), str(port)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out = {}
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise SystemExit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
+            time.sleep(0.5)
+
+        async def level(n: int) -> dict:
+            url = base + "/v1/chat/completions"
+            limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n)))  # warm-up
+                t = time.perf_counter()
+                counts = await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n)))
+                secs = time.perf_counter() - t
+            return {"tokens": sum(counts), "seconds": secs, "tokens_per_s": sum(counts) / secs}
+
+        for n in levels:
+            out[n] = asyncio.run(level(n))
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depth", type=int, default=20, help="model depth, nanochat's dial (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=65536, help="vocabulary (default: %(default)s)")
+    ap.add_argument("--levels", default="1,16,64,128", help="concurrent streams (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream (default: %(default)s)")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per stream (default: %(default)s)")
+    ap.add_argument("--http", action="store_true", help="also through the HTTP server")
+    ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
+    ap.add_argument("--out", help="write the results here as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/serve_gpu.py needs a CUDA GPU")
+    levels = [int(x) for x in args.levels.split(",")]
+    device = torch.device("cuda")
+    model = d_model(args.depth, args.vocab, device)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
+    bw = copy_bandwidth(device)
+    bound_ms = 1000 * weight_bytes / bw
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "depth": args.depth,
+           "params": model.num_params(), "weight_bytes_read_per_step": weight_bytes,
+           "copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4),
+           "prompt_tokens": args.prompt, "new_tokens": args.new}
+    print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
+          f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
+    t = time.perf_counter()
+    Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
+    res["warmup_s"] = round(time.perf_counter() - t, 1)
+    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
+    res["greedy_vs_eager"] = greedy_agreement(model, args.vocab)
+    print(f"greedy ids, graphs vs eager, 10 prompts: {res['greedy_vs_eager']}", flush=True)
+    variants = [("graphs", True)] + ([("eager", False)] if args.eager else [])
+    for name, graphs in variants:
+        r = engine_levels(model, levels, args.prompt, args.new, graphs, args.vocab)
+        res[f"engine_{name}"] = r
+        for n in levels:
+            x = r[n]
+            bound_tps = n * 1000 / bound_ms
+            x["of_bound"] = round(x["tokens_per_s"] / bound_tps, 4)
+            print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
+                  f"TTFT {x['ttft_ms_median']:7.1f} ms, {x['of_bound']:.1%} of the weight-read bound", flush=True)
+        print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
+    if args.http:
+        from model.model_dir import save_model_dir
+        from model.tokenizer import SparkTokenizer
+        texts = [f.read_text(errors="ignore") for f in sorted(Path(os.__file__).parent.glob("*.py"))[:40]]
+        tok = SparkTokenizer.train(texts, vocab_size=2048)  # ids past its vocabulary decode to nothing
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model_dir(Path(tmp) / "m", model.float(), tok, {"temperature": 1.0, "top_k": 50,
+                                                                 "max_tokens": args.new, "tool_use": False})
+            model.to(torch.bfloat16)
+            r = http_levels(Path(tmp) / "m", levels, args.new)
+        res["http"] = r
+        for n in levels:
+            e = res["engine_graphs"][n]["tokens_per_s"]
+            print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine alone)",
+                  flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()
