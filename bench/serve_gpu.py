@@ -101,11 +101,15 @@ def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> d
     return out
 
 
-def greedy_agreement(model, vocab: int, n_prompts: int = 10, new: int = 32) -> dict:
+CHAT_PROMPTS = ["What is 37 + 58?", "Spell the word 'garden'.", "How many r's are in 'strawberry'?",
+                "What is the capital of France?", "Hello! Who are you?", "What is 12 * 7?",
+                "Which is largest: 12, 85, 33 or 41?", "Tell me about the sea.", "What is 100 - 37?",
+                "Write a short poem about the moon."]
+
+
+def greedy_agreement(model, prompts: list[list[int]], new: int = 32) -> dict:
     """Greedy ids of the graph path (all prompts at once) against the eager path (one at a time)."""
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 600, (n_prompts,), generator=g)]
+    n_prompts = len(prompts)
     params = SamplingParams(temperature=0.0, max_tokens=new)
     eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, prefill_chunk=10_000)).start()
     try:
@@ -186,6 +190,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--new", type=int, default=128, help="new tokens per stream (default: %(default)s)")
     ap.add_argument("--http", action="store_true", help="also through the HTTP server")
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
+    ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -206,8 +211,19 @@ def main(argv=None) -> dict:
     Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
     res["warmup_s"] = round(time.perf_counter() - t, 1)
     print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
-    res["greedy_vs_eager"] = greedy_agreement(model, args.vocab)
-    print(f"greedy ids, graphs vs eager, 10 prompts: {res['greedy_vs_eager']}", flush=True)
+    if args.trained:  # a trained model's logits are peaked: greedy ids are not decided by rounding
+        from model.chat import render
+        from model.model_dir import load_model_dir
+        trained, tok, _ = load_model_dir(args.trained, device, torch.bfloat16)
+        prompts = [render(tok, [{"role": "user", "content": q}], for_completion=True)[0] for q in CHAT_PROMPTS]
+        res["greedy_vs_eager_trained"] = greedy_agreement(trained, prompts)
+        print(f"greedy ids of {args.trained}, graphs vs eager: {res['greedy_vs_eager_trained']}", flush=True)
+        del trained
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 600, (10,), generator=g)]
+    res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
+    print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
+          f"{res['greedy_vs_eager_random']}", flush=True)
     variants = [("graphs", True)] + ([("eager", False)] if args.eager else [])
     for name, graphs in variants:
         r = engine_levels(model, levels, args.prompt, args.new, graphs, args.vocab)
