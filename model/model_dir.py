@@ -54,11 +54,16 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def temp_name(path: Path) -> Path:
+    """Where write_atomic writes `path` before the rename (a crash may leave it behind)."""
+    return path.with_name(path.name + ".tmp")
+
+
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` writes the file under a temporary name; it is fsynced, then renamed over `path`, so a
     crash leaves either the old file or the new one, each complete."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_name(path)
     write(tmp)
     fd = os.open(tmp, os.O_RDONLY)
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from model.model_dir import check_file, file_record, fsync_dir, portable_state_dict, write_atomic
+from model.model_dir import check_file, file_record, fsync_dir, portable_state_dict, temp_name, write_atomic
 
 PREV = "prev.pt"
 
@@ -139,7 +139,9 @@ def load_checkpoint(path: Path, fp: str) -> tuple[dict | None, str]:
 
 
 def remove_checkpoints(path: Path) -> None:
-    """Once the stage's model is saved: last.pt, prev.pt and their checksums go (damaged ones stay)."""
+    """Once the stage's model is saved: last.pt, prev.pt and their checksums go, with what a save cut short
+    left behind (damaged ones moved aside stay, for inspection)."""
     for p in (path, path.with_name(PREV)):
-        p.unlink(missing_ok=True)
-        _sidecar(p).unlink(missing_ok=True)
+        for f in (p, _sidecar(p)):
+            f.unlink(missing_ok=True)
+            temp_name(f).unlink(missing_ok=True)
