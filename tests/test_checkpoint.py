@@ -22,7 +22,7 @@ import torch
 
 from model.gpt import GPT, GPTConfig
 from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
-from pipeline.checkpoint import load_checkpoint, save_checkpoint
+from pipeline.checkpoint import load_checkpoint, remove_checkpoints, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FP = "fingerprint-of-this-run"
@@ -139,6 +139,19 @@ def test_both_damaged_start_from_scratch(run):
     ckpt, msg = load_checkpoint(path, FP)
     assert ckpt is None and msg.count("damaged checkpoint") == 2 and msg.endswith("; starting from step 0")
     assert str(path) in msg and str(path.with_name("prev.pt")) in msg
+
+
+def test_a_finished_stage_removes_its_checkpoints_but_not_damaged_ones(run):
+    path, model, opt = run
+    for step in (2, 4, 6):
+        save_at(path, model, opt, step)
+    overwrite_4k(path)
+    load_checkpoint(path, FP)  # moves last.pt aside
+    save_at(path, model, opt, 8)
+    path.with_name("last.pt.tmp").write_bytes(b"left by a save cut short")
+    remove_checkpoints(path)
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert len(left) == 2 and all(".damaged-" in name for name in left), left
 
 
 class Crash(Exception):
