@@ -118,12 +118,12 @@ def verify_model_dir(path: str | Path) -> None:
             problem = check_file(path / name, record)
             if problem:
                 raise ModelDirError(f"model directory {path} is damaged: {name} {problem}")
-    else:
-        log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
-                    "its files are loaded unverified", path, CHECKSUMS)
     for name in REQUIRED:
         if not (path / name).is_file():
             raise ModelDirError(f"{path} is not a sparkchat model directory: {name} is missing")
+    if not manifest.is_file():
+        log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
+                    "its files are loaded unverified", path, CHECKSUMS)
 
 
 def _json_writer(data) -> Callable[[Path], None]:
