@@ -4,13 +4,26 @@
     model.safetensors  weights in float32, whatever precision backend trained them
     tokenizer.json     the `tokenizers` file with the chat special tokens
     generation.json    sampling defaults and whether the model was trained to call the calculator
+    checksums.json     sha256 and size of each file above, written last: the directory's commit point
 
 No DVC, no Transformer Engine and no training params are needed to load it.
+
+Every file is written to a temporary name, fsynced and renamed, and checksums.json comes last, so a save
+cut short by a crash or a power cut leaves a directory that fails its check rather than one that loads
+half old, half new. Loading verifies each file against checksums.json and names the first one that is
+missing, truncated or overwritten (`ModelDirError`); a directory without checksums.json (written before
+checksums existed, or by another tool) loads with a warning. The pipeline's checkpoints use the same
+helpers (`write_atomic`, `file_record`, `check_file`).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,7 +31,112 @@ from safetensors.torch import load_file, save_file
 from .gpt import GPT, GPTConfig
 from .tokenizer import SparkTokenizer
 
+log = logging.getLogger(__name__)
+
+CHECKSUMS = "checksums.json"
+REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
+
+
+class ModelDirError(Exception):
+    """A model directory that cannot be loaded; the message names the directory and the file."""
+
+
+# ---- files written atomically, with a checksum to verify them by ----
+
+def fsync_dir(path: Path) -> None:
+    """Makes a rename inside `path` durable (POSIX: the directory entry is data too)."""
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def temp_name(path: Path) -> Path:
+    """Where write_atomic writes `path` before the rename (a crash may leave it behind)."""
+    return path.with_name(path.name + ".tmp")
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` writes the file under a temporary name; it is fsynced, then renamed over `path`, so a
+    crash leaves either the old file or the new one, each complete."""
+    path = Path(path)
+    tmp = temp_name(path)
+    write(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the bytes reach the disk before the name points at them
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_record(path: Path) -> dict:
+    """What `check_file` compares against later: the file's size and sha256."""
+    return {"size": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def check_file(path: Path, record: dict) -> str | None:
+    """None when `path` matches its record; otherwise what is wrong with it, in words."""
+    path = Path(path)
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != record["size"]:
+        what = "is empty" if size == 0 else f"has {size:,} bytes"
+        return f"{what} where {record['size']:,} bytes were written (truncated, or a save cut short)"
+    if sha256_file(path) != record["sha256"]:
+        return "does not match the sha256 recorded when it was written (bytes overwritten, or a save cut short)"
+    return None
+
+
+def verify_model_dir(path: str | Path) -> None:
+    """Checks every file against checksums.json; raises ModelDirError naming the first bad one. Without
+    checksums.json only the required files' presence is checked, with a warning."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist")
+    manifest = path / CHECKSUMS
+    if manifest.is_file():
+        try:
+            records = json.loads(manifest.read_text())
+            files = {name: {"size": int(r["size"]), "sha256": str(r["sha256"])} for name, r in records.items()}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ModelDirError(f"model directory {path} is damaged: {CHECKSUMS} cannot be read ({e})") from None
+        for name, record in files.items():
+            problem = check_file(path / name, record)
+            if problem:
+                raise ModelDirError(f"model directory {path} is damaged: {name} {problem}")
+    for name in REQUIRED:
+        if not (path / name).is_file():
+            raise ModelDirError(f"{path} is not a sparkchat model directory: {name} is missing")
+    if not manifest.is_file():
+        log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
+                    "its files are loaded unverified", path, CHECKSUMS)
+
+
+def _json_writer(data) -> Callable[[Path], None]:
+    return lambda p: p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _reading(path: Path, name: str):
+    """Turns a failure to parse one file of the directory into a ModelDirError naming that file."""
+    try:
+        yield
+    except Exception as e:
+        raise ModelDirError(f"model directory {path}: {name} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
 def portable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,32 +163,40 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, gene
                    extra: dict | None = None) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_dict()
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(portable_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save(path / "tokenizer.json")
-    gen = {**DEFAULT_GENERATION, **(generation or {})}
-    (path / "generation.json").write_text(json.dumps(gen, indent=2) + "\n")
+    writers = {
+        "config.json": _json_writer(model.config.to_dict()),
+        "model.safetensors": lambda p: save_file(portable_state_dict(model), str(p), metadata={"format": "pt"}),
+        "tokenizer.json": tokenizer.save,
+        "generation.json": _json_writer({**DEFAULT_GENERATION, **(generation or {})}),
+    }
     if extra:
-        (path / "meta.json").write_text(json.dumps(extra, indent=2) + "\n")
+        writers["meta.json"] = _json_writer(extra)
+    for name, write in writers.items():
+        write_atomic(path / name, write)
+    # last: until this rename, a directory being overwritten fails its check against the old checksums
+    write_atomic(path / CHECKSUMS, _json_writer({name: file_record(path / name) for name in writers}))
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Returns (model in eval mode, tokenizer, generation defaults)."""
+    """Returns (model in eval mode, tokenizer, generation defaults). Raises ModelDirError naming the file
+    when the directory is damaged (see verify_model_dir) or a file cannot be parsed."""
     path = Path(path)
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{path} is not a sparkchat model directory: {name} is missing")
-    config = GPTConfig(**json.loads((path / "config.json").read_text()))
+    verify_model_dir(path)
+    with _reading(path, "config.json"):
+        config = GPTConfig(**json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
     cos, sin = model._rope_tables(model.rope_len)
     model.cos, model.sin = cos.to(device), sin.to(device)
-    model.load_state_dict(upgrade_state_dict(load_file(str(path / "model.safetensors"), device=str(device))),
-                          strict=True)
+    with _reading(path, "model.safetensors"):
+        model.load_state_dict(upgrade_state_dict(load_file(str(path / "model.safetensors"), device=str(device))),
+                              strict=True)
     model.to(dtype).eval()
     gen = dict(DEFAULT_GENERATION)
     if (path / "generation.json").is_file():
-        gen.update(json.loads((path / "generation.json").read_text()))
-    return model, SparkTokenizer.load(path / "tokenizer.json"), gen
+        with _reading(path, "generation.json"):
+            gen.update(json.loads((path / "generation.json").read_text()))
+    with _reading(path, "tokenizer.json"):
+        tok = SparkTokenizer.load(path / "tokenizer.json")
+    return model, tok, gen

@@ -26,7 +26,7 @@ from model.chat import render
 from model.chat_engine import chat_engine
 from model.engine import Engine, SamplingParams, Token
 from model.loss_eval import evaluate_bpb, token_bytes
-from model.model_dir import load_model_dir
+from model.model_dir import ModelDirError, load_model_dir
 
 from sparkchat import paths
 
@@ -156,7 +156,10 @@ def main(argv=None) -> None:
     device = resolve_device(p.runtime.device)
     results = {}
     for name, path in MODELS.items():
-        results[name] = evaluate_model(name, path, p, device)
+        try:
+            results[name] = evaluate_model(name, path, p, device)
+        except ModelDirError as e:
+            raise SystemExit(f"evaluate: {e}") from None
         print(f"evaluate {name}: {results[name]}", file=sys.stderr)
     results["chance"] = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}}
     write_json(paths.metrics_file("evaluate"), results)

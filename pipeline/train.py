@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import load_model_dir, save_model_dir
+from model.model_dir import ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.precision import LayerFilter, get_backend, options_from_params
 from model.precision.base import compile_model
@@ -35,7 +35,7 @@ from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
-from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import fingerprint, load_checkpoint, remove_checkpoints, save_checkpoint, set_rng_state
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
 from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
 from .metrics import TSVLog, write_json
@@ -133,6 +133,7 @@ def train(stage: str, p: Params) -> dict:
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
 
     ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)  # a DVC output, whether or not a checkpoint is written
     inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
                       "precision": asdict(pr),
@@ -232,7 +233,7 @@ def train(stage: str, p: Params) -> dict:
         write_json(paths.metrics_file(stage), metrics)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
-        ckpt_path.unlink(missing_ok=True)
+        remove_checkpoints(ckpt_path)
         log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
     if world > 1:
         dist.destroy_process_group()
@@ -251,5 +252,5 @@ def main(stage: str) -> None:
                    f"--nproc_per_node={p.runtime.nproc}", "-m", f"pipeline.{stage}"]
             raise SystemExit(subprocess.call(cmd))
         train(stage, p)
-    except (ConfigError, BackendUnavailable) as e:
+    except (ConfigError, BackendUnavailable, ModelDirError) as e:
         raise SystemExit(f"{stage}: {e}") from None

@@ -34,6 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from model.model_dir import ModelDirError, verify_model_dir
+    try:  # before the port opens: a damaged model stops here, instead of a server that stays unhealthy
+        verify_model_dir(args.model)
+    except ModelDirError as e:
+        raise SystemExit(f"sparkchat serve: {e}") from None
     import uvicorn
 
     from .api import Settings, create_app

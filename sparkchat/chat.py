@@ -32,13 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     from model.chat import TOOL_DISPLAY, render
     from model.chat_engine import chat_engine, sampling_params
     from model.engine import Token
-    from model.model_dir import load_model_dir
+    from model.model_dir import ModelDirError, load_model_dir
     from model.tokenizer import StreamDecoder
 
     try:
         model, tok, gen = load_model_dir(args.model, device=args.device)
         params = sampling_params(gen, temperature=args.temperature, max_tokens=args.max_tokens)
-    except (FileNotFoundError, ValueError) as e:
+    except (ModelDirError, ValueError) as e:
         ap.error(str(e))
     engine = chat_engine(model, tok, gen, max_batch=1)
     messages = [{"role": "system", "content": args.system}] if args.system else []

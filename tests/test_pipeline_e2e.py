@@ -6,13 +6,15 @@
 - editing the selected profile's sft block does the same; editing a profile not in use re-runs nothing;
 - sft runs as two data-parallel CPU ranks under fp8 with delayed scaling;
 - pretrain killed with SIGKILL mid-run resumes from its checkpoint on the next `dvc repro` and ends
-  exactly where an uninterrupted run ends, with the same loss plot (rows before the checkpoint kept).
+  exactly where an uninterrupted run ends, with the same loss plot (rows before the checkpoint kept);
+- a last.pt full of garbage is moved aside with a message, and the stage resumes from prev.pt.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -122,6 +124,19 @@ def test_repro_noop_and_param_change(tmp_path):
     assert sft_metrics["backend_label"] == "fp8[delayed,history=16]"  # the options, for dvc metrics show
 
 
+def kill_pretrain_when(proj: Path, appears: Path) -> None:
+    """Runs `dvc repro pretrain` and kills it with SIGKILL as soon as `appears` exists."""
+    p = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=proj, env=env(), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not appears.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    assert appears.exists(), f"{appears} did not appear"
+    os.killpg(p.pid, signal.SIGKILL)  # dvc and the stage, as a crash or an OOM kill would
+    p.wait()
+    assert not (proj / paths.metrics_file("pretrain")).exists(), "the stage finished before the kill"
+
+
 def test_kill9_during_pretrain_resumes(tmp_path):
     long = deep_update(json.loads(json.dumps(TINY)), {"pretrain": {"steps": 40, "checkpoint_every": 5}})
     ref = make_project(tmp_path / "ref", long)
@@ -131,15 +146,7 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     proj = make_project(tmp_path / "killed", long)
     dvc(proj, "repro", "tokenizer")
     ckpt = proj / paths.checkpoint_dir("pretrain") / "last.pt"
-    p = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=proj, env=env(), start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not ckpt.exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    assert ckpt.exists(), "no checkpoint appeared"
-    os.killpg(p.pid, signal.SIGKILL)  # dvc and the stage, as a crash or an OOM kill would
-    p.wait()
-    assert not (proj / paths.metrics_file("pretrain")).exists(), "the stage finished before the kill"
+    kill_pretrain_when(proj, ckpt.with_name("last.pt.sha256"))  # a checkpoint counts once its checksum is written
 
     r = dvc(proj, "repro", "pretrain")
     assert "resuming from checkpoint at step" in r.stderr
@@ -150,3 +157,21 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
     plot = paths.plot_file("pretrain")
     assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"
+
+
+def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):
+    """What a power cut can leave: last.pt full of garbage. The next `dvc repro` names it, moves it aside,
+    resumes from the checkpoint before it (prev.pt) and finishes, without a traceback."""
+    long = deep_update(json.loads(json.dumps(TINY)), {"pretrain": {"steps": 40, "checkpoint_every": 5}})
+    proj = make_project(tmp_path, long)
+    dvc(proj, "repro", "tokenizer")
+    ckpt = paths.checkpoint_dir("pretrain") / "last.pt"
+    kill_pretrain_when(proj, proj / ckpt.with_name("prev.pt"))  # the second checkpoint is being written
+    (proj / ckpt).write_bytes(os.urandom(4096))
+
+    r = dvc(proj, "repro", "pretrain")
+    assert f"damaged checkpoint {ckpt} " in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert re.search(rf"moved aside to {re.escape(str(ckpt))}\.damaged-\S+; resuming from checkpoint at step \d+ "
+                     rf"of {re.escape(str(ckpt.with_name('prev.pt')))}", r.stderr), r.stderr[-3000:]
+    assert len(list((proj / ckpt.parent).glob("last.pt.damaged-*"))) == 1
+    assert json.loads((proj / paths.metrics_file("pretrain")).read_text())["steps"] == 40
