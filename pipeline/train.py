@@ -48,6 +48,8 @@ STAGES = {
     "midtrain": (M["pretrain"], paths.MID_TRAIN, paths.CHAT_VAL, M["midtrain"]),
     "sft": (M["midtrain"], paths.SFT_TRAIN, paths.CHAT_VAL, M["sft"]),
 }
+CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256). A killed stage "
+                   "resumes from them on the next `dvc repro`; a finished one removes them.\n")
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
 
@@ -133,7 +135,10 @@ def train(stage: str, p: Params) -> dict:
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
 
     ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
-    ckpt_path.parent.mkdir(parents=True, exist_ok=True)  # a DVC output, whether or not a checkpoint is written
+    # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
+    # folder (which DVC warns about) once a finished stage has removed its checkpoints
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
     inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
                       "precision": asdict(pr),
