@@ -128,3 +128,14 @@ def test_config_and_probe_help_load_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_every_probe_flag_has_help_with_its_default():
+    from pipeline.config import ProbeParams
+    from pipeline.probe import parser
+
+    actions = [a for a in parser()._actions if a.dest != "help"]
+    for a in actions:
+        assert a.help and "(default: " in a.help, a.option_strings
+    steps = next(a for a in actions if a.dest == "steps")
+    assert f"(default: {ProbeParams().steps})" in steps.help

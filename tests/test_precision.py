@@ -418,6 +418,10 @@ def test_probe_params_file(tmp_path):
     with pytest.raises(SystemExit, match="unknown key 'probe.stepz'"):
         probe_main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+    # a bad entry on the command line stops before anything runs, naming the entry and the key
+    with pytest.raises(SystemExit, match=r"probe entry 'fp8:scaling=lazy': precision\.fp8\.scaling must be one of"):
+        probe_main(["--backends", "bf16", "fp8:scaling=lazy", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_probe_entry_layer_filter(tmp_path):

@@ -8,11 +8,11 @@ Choice, in order:
    the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the probe
    measured on an H200 at d20 (bench/results/h200-d20-2026-12-03e, -03f and -03g; bench/results/
-   README.md). fp8 with its defaults first (dynamic power-of-two scales through the cast-transpose
-   kernel, fused MLPs; needs only torch and, for the kernel, Triton, else its casts go inline).
-   Delayed scaling measured as fast, but its scales lag a step, so dynamic goes first. Then te-fp8
-   with its defaults (slower than fp8 in the same run; needs Transformer Engine), then bf16. NVFP4 is
-   never chosen without a probe (its loss needs checking first).
+   README.md). fp8 with its defaults first (needs only torch and, for its cast kernel, Triton, else
+   its casts go inline). Delayed scaling measured as fast, but its scales lag a step, so the default
+   dynamic scaling goes first. Then te-fp8 with its defaults (slower than fp8 in the same run; needs
+   Transformer Engine), then bf16. NVFP4 is never chosen without a probe (its loss needs checking
+   first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ The three GEMMs of a Linear y = x W^T (x: M x K tokens-by-features, W: N x K):
     dgrad    dx = dy @ W       e5m2 x e4m3  -> bf16
     wgrad    dW = dy^T @ x     e5m2 x e4m3  -> fp32
 They live in one autograd Function under torch.compile. Where the casts run (`cast`):
-  - `kernel` (default): each activation and gradient goes through one cast-transpose op
+  - `kernel`: each activation and gradient goes through one cast-transpose op
     (fp8_cast.py; a Triton kernel on CUDA) that writes the row-major FP8 copy and the transposed one
     the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way. The
     activation is handed over in the matmul dtype (bf16 on a GPU), so an fp32 activation is rounded
@@ -24,7 +24,7 @@ They live in one autograd Function under torch.compile. Where the casts run (`ca
     and those kernels cost more than the GEMMs save (bench/results/README.md, "Where the micro-step's
     time goes").
 Uncompiled, the inline casts are separate memory passes and FP8 is slower than bf16.
-With `cast: kernel`, `mlp: fused` (default) also runs each relu^2 MLP as one autograd Function whose
+With `cast: kernel`, `mlp: fused` also runs each relu^2 MLP as one autograd Function whose
 squared ReLU (and its backward) happens inside the cast op: the first GEMM's bf16 output goes
 straight into the cast of the second GEMM's input, and the second GEMM's input gradient straight into
 the cast of the first's output gradient, so the two elementwise passes of the 4x-wide hidden tensor
@@ -34,10 +34,11 @@ What the kernel requires (cuBLASLt on sm_89+): the first operand row-major, the 
 (`b.t()` of a contiguous tensor), inner dimension and both outer dimensions divisible by 16, FP32
 scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multiple=16, and the
 `.t().contiguous().t()` calls below that produce the column-major copies.
-`use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only by default
-(`fast_accum: forward`); gradients accumulate at full precision (`none` / `all` to change).
+`use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only with
+`fast_accum: forward`, so gradients accumulate at full precision (`none`: nowhere, `all`: everywhere).
+The options and their defaults: `Fp8Options` (options.py, params `precision.fp8`).
 
-Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe: the activation and
+Delayed scaling (`scaling: delayed`), TE's DelayedScaling recipe: the activation and
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
 wait for this step's amax. With `cast: kernel` that removes the separate amax passes over activations
 and gradients (the op records the amax it finds while casting; the small weights keep theirs); with
@@ -45,7 +46,7 @@ inline casts it bought nothing (both measured: bench/results/README.md). The fir
 first after a resume) scales dynamically. Under data parallelism the histories are reduced to their
 maximum over ranks every step (`sync_ranks`).
 
-Power-of-two scales (`pow2_scales: true`, default): every scale is the largest power of two that
+Power-of-two scales (`pow2_scales: true`): every scale is the largest power of two that
 keeps the tensor's amax within the format (formats.pow2_scale), so the largest value lands in the top
 binade rather than on the maximum; relative precision is the same. Such a scale changes only when
 amax crosses a power of two, so with dynamic scaling and `cast: kernel` the cast op starts from last
