@@ -102,6 +102,32 @@ def test_backend_options_match_params_yaml():
     assert section["backend"] == PrecisionParams().backend
 
 
+def test_params_yaml_choice_comments_match_the_options():
+    """A `# a | b | c` comment beside a precision key in params.yaml lists exactly the values the code
+    allows, so the comments cannot drift either."""
+    import re
+    import typing
+
+    from model.precision.options import BACKEND_NAMES, BACKEND_OPTIONS, choices
+
+    allowed = {"backend": BACKEND_NAMES}
+    for cls in filter(None, BACKEND_OPTIONS.values()):
+        for name, tp in typing.get_type_hints(cls).items():
+            if typing.get_origin(tp) is typing.Literal:
+                allowed[name] = choices(tp)
+    text = (ROOT / "params.yaml").read_text()
+    section = text[text.index("\nprecision:"):text.index("\nruntime:")]
+    seen = set()
+    for line in section.splitlines():
+        m = re.match(r"\s+(\w+): [^#]*#\s*(.*\|.*)$", line)
+        if m:
+            key, comment = m.groups()
+            listed = tuple(part.split()[0] for part in comment.split(" | "))
+            assert listed == allowed[key], f"params.yaml {key}: comment lists {listed}, code allows {allowed[key]}"
+            seen.add(key)
+    assert seen == set(allowed), f"keys without a choices comment: {set(allowed) - seen}"
+
+
 def test_precision_options_reach_the_backend():
     """The typed options a stage hands its backend are params.yaml's blocks (a profile overlay changes
     one field and keeps the rest); auto without a probe file reads the probe stage's output."""
