@@ -19,12 +19,12 @@ import torch  # noqa: E402
 from model.gpt import GPTConfig  # noqa: E402
 from model.precision import LayerFilter  # noqa: E402
 from model.precision.base import compile_model  # noqa: E402
-from pipeline.probe import build_under  # noqa: E402
+from model.precision.probe import build_under  # noqa: E402
 
 
 def first_steps(backend: str, depth: int, regional: bool, device: torch.device) -> tuple[float, float]:
     cfg = GPTConfig(vocab_size=256, n_layer=depth, n_embd=64, n_head=2, n_kv_head=2, seq_len=32)
-    _, model, _ = build_under(backend, {}, LayerFilter(), cfg, 0, device)
+    _, model, _ = build_under(backend, None, LayerFilter(), cfg, 0, device)
     run = compile_model(model, regional)
     x = torch.randint(0, 256, (2, 32), device=device)
     out = []

@@ -3,7 +3,7 @@
 GEMM level: one Linear (forward + both backward GEMMs, casts included) at the shapes of a GPT block
 (width d: d->d attention projections, d->4d and 4d->d MLP), and one whole MLP (norm + fc + relu^2 + proj),
 for bf16 (compiled), our fp8 (compiled), and every TE recipe that runs here (TE eager, as it runs
-inside our compiled model). Model level: `pipeline.probe.run_probe` for a few steps.
+inside our compiled model). Model level: `model.precision.probe.run_probe` for a few steps.
 Everything is reported as a ratio to bf16 measured in the same process.
 
     python -m bench.precision --width 1280 --tokens 65536 [--model --depth 20 --steps 20] [--out bench/results]
@@ -120,8 +120,8 @@ def main(argv=None):
     md = to_markdown(rows, f"GEMM level: width {a.width}, {a.tokens} tokens, {torch.cuda.get_device_name()}")
     result = {"gemm": rows}
     if a.model:
-        from pipeline.probe import run_probe, to_markdown as probe_md
-        probe = run_probe(steps=a.steps, depth=a.depth, backends=a.backends)
+        from model.precision.probe import run_probe, to_markdown as probe_md
+        probe = run_probe(steps=a.steps, depth=a.depth, seq_len=2048, batch=32, vocab=65536, backends=a.backends)
         result["model"] = probe
         md += "\n" + probe_md(probe)
     print(md)

@@ -22,15 +22,15 @@ import torch
 
 from model.precision import LayerFilter
 from model.precision.base import compile_model
-from pipeline.probe import build_under, entry_filter, expand_entries, model_config
+from model.precision.probe import build_under, entry_filter, expand_entries, model_config
 
 
 def saved_tensors(variant: str, depth: int, seq_len: int, batch: int, vocab: int, device) -> Counter:
     """(dtype, shape) -> count of the tensors saved for backward in one compiled training step (after
     two warm-up steps, so delayed scaling runs on its history as it does in training)."""
-    ((name, opts),) = expand_entries([variant], ["delayed"])
-    opts, layer_filter, _ = entry_filter(opts, LayerFilter())
-    backend, model, _ = build_under(name, opts, layer_filter, model_config(depth, seq_len, vocab, head_dim=64),
+    (entry,) = expand_entries([variant], ["delayed"])
+    layer_filter, _ = entry_filter(entry, LayerFilter())
+    backend, model, _ = build_under(entry.name, entry.options, layer_filter, model_config(depth, seq_len, vocab, head_dim=64),
                                     0, device)
     run = compile_model(model, backend.compile_regions) if backend.supports_compile else model
     x = torch.randint(0, vocab, (batch, seq_len), device=device)

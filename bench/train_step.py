@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from model.gpt import GPT
 from model.optim import orthogonalize
 from model.precision import LayerFilter
-from model.precision.te_fp8 import TEFp8Backend
+from model.precision.options import TEFp8Options
 from model.precision.base import compile_model
-from pipeline.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
+from model.precision.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -131,10 +131,10 @@ def parse_variant(v: str):
     spec, _, attn = v.partition("@")
     if attn and attn not in (*ATTENTION, "regional"):
         raise ValueError(f"unknown variant modifier @{attn}; known: {[*ATTENTION, 'regional']}")
-    ((name, opts),) = expand_entries([spec], [TEFp8Backend.DEFAULTS["recipe"]])
+    (entry,) = expand_entries([spec], [TEFp8Options().recipe])
     # layer filter: fp8:skip=lm_head+attn.c_proj keeps those in bf16, fp8:skip= converts the head too
-    opts, layer_filter, _ = entry_filter(opts, LayerFilter())
-    return name, opts, attn or "default", layer_filter
+    layer_filter, _ = entry_filter(entry, LayerFilter())
+    return entry.name, entry.options, attn or "default", layer_filter
 
 
 def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -> dict:

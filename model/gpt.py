@@ -116,8 +116,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
         # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only SDPA sees (B, H, T, D).
-        # Backward then writes the fused q/k/v gradient with one cheaper copy (H200, d20, bf16: the
-        # micro-step 405.2 -> 398.9 ms against heads-first, bench/results/README.md)
+        # Backward then writes the fused q/k/v gradient with one cheaper copy (a shorter bf16 micro-step
+        # than heads-first: bench/results/h200-d20-2026-12-03b)
         q = q.reshape(B, T, self.n_head, self.head_dim)
         k = k.reshape(B, T, self.n_kv_head, self.head_dim)
         v = v.reshape(B, T, self.n_kv_head, self.head_dim)

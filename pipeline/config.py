@@ -15,8 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from model.precision.options import (BACKEND_NAMES, BACKEND_OPTIONS, AutoOptions, Fp8Options, LayerFilter, Nvfp4Options,
+                                     OptionError, Options, TEFp8Options, TERecipe, choices, parse_entry)
+from sparkchat import paths
+
 ROOT = Path(__file__).resolve().parent.parent
-PRECISION_NAMES = ("bf16", "fp8", "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated", "auto")
 
 
 class ConfigError(ValueError):
@@ -101,78 +104,30 @@ class TokenizerParams:
 
 
 @dataclass
-class Fp8Params:
-    fast_accum: str = "forward"
-    """torch._scaled_mm fast accumulation: forward (only the forward GEMM) | all | none."""
-    scaling: str = "dynamic"
-    """dynamic (each tensor by its own amax) | delayed (activations, gradients by the last steps' amax)."""
-    amax_history_len: int = 16
-    """delayed scaling: how many steps of amax the scale looks back over."""
-    cast: str = "kernel"
-    """kernel (one cast-transpose op per tensor: Triton on CUDA) | inline (casts left to torch.compile)."""
-    mlp: str = "fused"
-    """fused (with cast: kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear."""
-    pow2_scales: bool = True
-    """Scales rounded down to powers of two; with dynamic scaling and cast: kernel no amax pass runs first."""
-
-
-@dataclass
-class Nvfp4Params:
-    """NVFP4 training recipe (TE's recommendations), for te-nvfp4 and nvfp4-emulated."""
-    weight_2d: bool = True
-    """16x16 block scales for weights (so W and W^T quantise alike)."""
-    stochastic_rounding: bool = True
-    """Stochastic rounding of gradients."""
-    rht: bool = True
-    """Random Hadamard transform on the weight-gradient GEMM's inputs."""
-    bf16_last_blocks: int = 2
-    """Final transformer blocks kept in BF16."""
-
-
-@dataclass
-class AutoParams:
-    probe_file: str = "artifacts/probe/probe.json"
-    """Probe results `auto` picks from (measured on the same GPU), else a static preference order."""
-    max_loss_diff_pct: float = 1.0
-    """A backend whose probe loss is further than this from bf16 is never picked."""
-
-
-@dataclass
-class LayerFilterParams:
-    dim_multiple: int = 16
-    """Only Linear layers whose dims are multiples of this convert (FP8/FP4 GEMM requirement)."""
-    skip: list[str] = field(default_factory=lambda: ["lm_head"])
-    """Layer names (substrings) that stay in high precision."""
-
-
-@dataclass
 class PrecisionParams:
+    """The backend, and one block of options per backend: the backends' own dataclasses
+    (model/precision/options.py declares their fields, defaults and allowed values, and checks them)."""
     backend: str = "bf16"
-    """bf16 | fp8 | te-fp8 | te-nvfp4 | fp8-emulated | nvfp4-emulated | auto. Stages may override."""
-    te_recipe: str = "delayed"
-    """Transformer Engine FP8 recipe: delayed | current | block | mxfp8 (delayed: fastest on the H200 at d20)."""
-    te_modules: str = "fused"
-    """te-fp8 modules: fused (te.LayerNormMLP for the MLP, te.Linear elsewhere; 1.17x bf16 on the H200 at
-    d20) | linear (te.Linear everywhere; 1.10x)."""
-    te_compile: bool = True
-    """Compile the model around the (eager) TE modules."""
-    fp8: Fp8Params = field(default_factory=Fp8Params)
-    nvfp4: Nvfp4Params = field(default_factory=Nvfp4Params)
-    auto: AutoParams = field(default_factory=AutoParams)
-    layer_filter: LayerFilterParams = field(default_factory=LayerFilterParams)
+    """One of model.precision.options.BACKEND_NAMES. Stages may override."""
+    fp8: Fp8Options = field(default_factory=Fp8Options)
+    te_fp8: TEFp8Options = field(default_factory=TEFp8Options)
+    nvfp4: Nvfp4Options = field(default_factory=Nvfp4Options)
+    auto: AutoOptions = field(default_factory=AutoOptions)
+    layer_filter: LayerFilter = field(default_factory=LayerFilter)
 
     def check(self, key: str) -> None:
-        _choice(self.backend, PRECISION_NAMES, f"{key}.backend")
-        _choice(self.te_recipe, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipe")
-        _choice(self.te_modules, ("linear", "fused"), f"{key}.te_modules")
-        _choice(self.fp8.fast_accum, ("forward", "all", "none"), f"{key}.fp8.fast_accum")
-        _choice(self.fp8.scaling, ("dynamic", "delayed"), f"{key}.fp8.scaling")
-        _choice(self.fp8.cast, ("inline", "kernel"), f"{key}.fp8.cast")
-        _choice(self.fp8.mlp, ("fused", "linear"), f"{key}.fp8.mlp")
-        _positive(self.fp8, f"{key}.fp8", "amax_history_len")
-        _positive(self.layer_filter, f"{key}.layer_filter", "dim_multiple")
-        if self.nvfp4.bf16_last_blocks < 0:
-            raise ConfigError(f"{key}.nvfp4.bf16_last_blocks must be >= 0")
+        _choice(self.backend, BACKEND_NAMES, f"{key}.backend")
+
+    def options_for(self, backend: str) -> Options | None:
+        """The typed options backend `backend` runs with (None for one that takes none). auto without a
+        probe file reads the probe stage's output."""
+        cls = BACKEND_OPTIONS[backend]
+        if cls is None:
+            return None
+        options = getattr(self, cls.KEY.rpartition(".")[2])
+        if isinstance(options, AutoOptions) and not options.probe_file:
+            options = dataclasses.replace(options, probe_file=str(paths.PROBE / "probe.json"))
+        return options
 
 
 @dataclass
@@ -207,7 +162,7 @@ class TrainParams:
 
     def check(self, key: str) -> None:
         if self.backend:
-            _choice(self.backend, PRECISION_NAMES, f"{key}.backend")
+            _choice(self.backend, BACKEND_NAMES, f"{key}.backend")
         _positive(self, key, "total_batch_tokens", "device_batch", "param_data_ratio", "epochs",
                   "eval_every", "eval_tokens", "checkpoint_every", "log_every")
         for name in ("matrix_lr", "embedding_lr", "head_lr"):
@@ -277,15 +232,20 @@ class ProbeParams:
     seed: int = 0
     backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
                                                          "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
-    """Backend names, or name:recipe[,key=value] (te-fp8:current, fp8:scaling=delayed)."""
-    te_recipes: list[str] = field(default_factory=lambda: ["delayed", "current", "block", "mxfp8"])
+    """Backend names, or name:key=value[,key=value] with the keys of the backend's options
+    (fp8:scaling=delayed, te-fp8:current for its recipe, fp8:skip= for a layer skip list of its own)."""
+    te_recipes: list[str] = field(default_factory=lambda: list(choices(TERecipe)))
+    """Recipes a bare `te-fp8` entry expands to."""
 
     def check(self, key: str) -> None:
         _positive(self, key, "steps", "depth", "seq_len", "batch", "vocab")
-        for b in self.backends:
-            _choice(b.split(":", 1)[0], PRECISION_NAMES, f"{key}.backends")
+        for i, b in enumerate(self.backends):
+            try:
+                parse_entry(b)
+            except OptionError as e:
+                raise ConfigError(f"{key}.backends[{i}]: {e}") from None
         for r in self.te_recipes:
-            _choice(r, ("delayed", "current", "block", "mxfp8"), f"{key}.te_recipes")
+            _choice(r, choices(TERecipe), f"{key}.te_recipes")
 
 
 @dataclass
@@ -353,6 +313,11 @@ def _coerce(value, tp, key):
 
 
 def _build(cls, data, key, base=None):
+    if issubclass(cls, Options):  # a backend's options check themselves, naming the key
+        try:
+            return cls.from_dict(data, base)
+        except OptionError as e:
+            raise ConfigError(str(e)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

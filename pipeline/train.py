@@ -29,7 +29,7 @@ from tqdm import tqdm
 from model.gpt import GPT, GPTConfig
 from model.model_dir import ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
-from model.precision import LayerFilter, get_backend, options_from_params
+from model.precision import get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
@@ -112,8 +112,7 @@ def train(stage: str, p: Params) -> dict:
     device = resolve_device(p.runtime.device)
     pr = p.precision
     name = p.backend_for(stage)
-    backend = get_backend(name, options_from_params(name, asdict(pr)),
-                          LayerFilter(pr.layer_filter.dim_multiple, list(pr.layer_filter.skip)))
+    backend = get_backend(name, pr.options_for(name), pr.layer_filter)
     backend.check(device)  # fail before any work
     rank, world, device = setup_distributed(device)
     if p.runtime.threads:

@@ -10,8 +10,8 @@ import os
 from sparkchat import paths
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
-# kernels with Python work, and spinning workers steal the cores it needs (measured: 5-7x slower
-# decoding on a 2-core CPU). No effect on CUDA.
+# kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
+# was several times slower with them spinning; `python -m bench.serve` measures it). No effect on CUDA.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 API_KEY_ENV = "SPARKCHAT_API_KEY"

@@ -46,7 +46,17 @@ def test_profiles_exist():
     (lambda d: d["model"].update(head_dim=48), "model.head_dim"),
     (lambda d: d["model"].update(kv_head_ratio=3), "model.kv_head_ratio"),
     (lambda d: d["precision"].update(backend="fp4"), "precision.backend"),
-    (lambda d: d["precision"].update(te_recipe="magic"), "precision.te_recipe"),
+    (lambda d: d["precision"]["te_fp8"].update(recipe="magic"), "precision.te_fp8.recipe must be one of delayed"),
+    (lambda d: d["precision"].update(te_recipe="delayed"), "unknown key 'precision.te_recipe'"),
+    (lambda d: d["precision"]["fp8"].update(scaling="lazy"), "precision.fp8.scaling must be one of dynamic, delayed"),
+    (lambda d: d["precision"]["fp8"].update(fastaccum="all"), "unknown key 'precision.fp8.fastaccum'"),
+    (lambda d: d["precision"]["fp8"].update(pow2_scales="yes"), "precision.fp8.pow2_scales must be true or false"),
+    (lambda d: d["precision"]["fp8"].update(amax_history_len=0), "precision.fp8.amax_history_len must be >= 1"),
+    (lambda d: d["precision"]["nvfp4"].update(bf16_last_blocks=-1), "precision.nvfp4.bf16_last_blocks must be >= 0"),
+    (lambda d: d["precision"]["layer_filter"].update(dim_multiple=0), "precision.layer_filter.dim_multiple"),
+    (lambda d: d["precision"].update(auto=[]), "precision.auto must be a mapping"),
+    (lambda d: d["probe"].update(backends=["bf16", "fp8:scaling=lazy"]),
+     "probe.backends[1]: probe entry 'fp8:scaling=lazy': precision.fp8.scaling"),
     (lambda d: d["pretrain"].update(warmup_frac=0.8, warmdown_frac=0.5), "pretrain.warmup_frac"),
     (lambda d: d["data"].update(pretrain_sources="builtin:shakespeare"), "data.pretrain_sources"),
     (lambda d: d["runtime"].update(device="tpu"), "runtime.device"),
@@ -71,3 +81,87 @@ def test_bad_params_fail_fast_and_write_nothing(tmp_path):
     assert r.returncode != 0
     assert "pretrain.lr" in r.stderr
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_backend_options_match_params_yaml():
+    """Every backend's option dataclass appears in params.yaml's `precision:` section, under the key the
+    dataclass names, with every field and the same defaults, and nothing else: params.yaml cannot drift
+    from the code that declares the options."""
+    import dataclasses
+
+    from model.precision.options import BACKEND_OPTIONS, LayerFilter
+    from pipeline.config import PrecisionParams
+
+    section = base()["precision"]
+    classes = {c for c in BACKEND_OPTIONS.values() if c is not None} | {LayerFilter}
+    assert {f.name for f in dataclasses.fields(PrecisionParams)} == {"backend"} | {c.KEY.split(".")[1] for c in classes}
+    for cls in classes:
+        block = section[cls.KEY.split(".")[1]]
+        defaults = dataclasses.asdict(cls())
+        assert block == defaults, f"params.yaml {cls.KEY} differs from {cls.__name__}'s defaults"
+    assert section["backend"] == PrecisionParams().backend
+
+
+def test_params_yaml_choice_comments_match_the_options():
+    """A `# a | b | c` comment beside a precision key in params.yaml lists exactly the values the code
+    allows, so the comments cannot drift either."""
+    import re
+    import typing
+
+    from model.precision.options import BACKEND_NAMES, BACKEND_OPTIONS, choices
+
+    allowed = {"backend": BACKEND_NAMES}
+    for cls in filter(None, BACKEND_OPTIONS.values()):
+        for name, tp in typing.get_type_hints(cls).items():
+            if typing.get_origin(tp) is typing.Literal:
+                allowed[name] = choices(tp)
+    text = (ROOT / "params.yaml").read_text()
+    section = text[text.index("\nprecision:"):text.index("\nruntime:")]
+    seen = set()
+    for line in section.splitlines():
+        m = re.match(r"\s+(\w+): [^#]*#\s*(.*\|.*)$", line)
+        if m:
+            key, comment = m.groups()
+            listed = tuple(part.split()[0] for part in comment.split(" | "))
+            assert listed == allowed[key], f"params.yaml {key}: comment lists {listed}, code allows {allowed[key]}"
+            seen.add(key)
+    assert seen == set(allowed), f"keys without a choices comment: {set(allowed) - seen}"
+
+
+def test_precision_options_reach_the_backend():
+    """The typed options a stage hands its backend are params.yaml's blocks (a profile overlay changes
+    one field and keeps the rest); auto without a probe file reads the probe stage's output."""
+    from model.precision.options import AutoOptions, Fp8Options, TEFp8Options
+    from sparkchat import paths
+
+    d = base()
+    d["precision"]["fp8"]["scaling"] = "delayed"
+    d["precision"]["te_fp8"]["recipe"] = "current"
+    pr = params_from_dict(d, ROOT / "profiles").precision
+    assert pr.options_for("fp8") == Fp8Options(scaling="delayed")
+    assert pr.options_for("te-fp8") == TEFp8Options(recipe="current")
+    assert pr.options_for("bf16") is None and pr.options_for("fp8-emulated") is None
+    assert pr.options_for("nvfp4-emulated") is pr.options_for("te-nvfp4") is pr.nvfp4
+    assert pr.options_for("auto") == AutoOptions(probe_file=str(paths.PROBE / "probe.json"))
+    d["profile"] = "h200"
+    overlaid = params_from_dict(d, ROOT / "profiles").precision  # h200 sets precision.backend only
+    assert overlaid.backend == "fp8" and overlaid.options_for("fp8") == Fp8Options(scaling="delayed")
+
+
+def test_config_and_probe_help_load_without_torch():
+    """The configuration and `sparkchat probe --help` need no torch (it loads in seconds)."""
+    code = ("import sys; import pipeline.config, pipeline.probe; pipeline.probe.parser().format_help(); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_probe_flag_has_help_with_its_default():
+    from pipeline.config import ProbeParams
+    from pipeline.probe import parser
+
+    actions = [a for a in parser()._actions if a.dest != "help"]
+    for a in actions:
+        assert a.help and "(default: " in a.help, a.option_strings
+    steps = next(a for a in actions if a.dest == "steps")
+    assert f"(default: {ProbeParams().steps})" in steps.help

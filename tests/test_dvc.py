@@ -26,22 +26,61 @@ def module_file(name: str) -> Path | None:
     return None
 
 
-def imports_of(path: Path) -> set[str]:
-    """Project modules `path` imports (absolute names), including the packages on the way."""
+def _import_nodes(tree: ast.Module, skip_lazy: bool):
+    """Every import statement; with skip_lazy, not those in a module-level __getattr__ (PEP 562 lazy
+    exports, which run only when a name they serve is asked for: see lazy_exports)."""
+    skip = set()
+    if skip_lazy:
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                skip |= {id(n) for n in ast.walk(node)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def lazy_exports(package: str) -> tuple[set[str], set[str]]:
+    """(names the package defines at module level, modules its __getattr__ imports) of a package whose
+    __init__ has a module-level __getattr__; (all names, no modules) otherwise."""
+    path = module_file(package)
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+        return set(), set()
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    lazy = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            lazy = imports_of(path, only=node)
+    return defined, lazy
+
+
+def imports_of(path: Path, only: ast.AST | None = None) -> set[str]:
+    """Project modules `path` imports (absolute names), including the packages on the way. A name
+    taken from a package that serves it lazily (module-level __getattr__) brings what serving it imports."""
     package = ".".join(path.relative_to(ROOT).parent.parts)  # what a relative import starts from
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    nodes = [n for n in ast.walk(only) if isinstance(n, (ast.Import, ast.ImportFrom))] if only is not None \
+        else _import_nodes(ast.parse(path.read_text()), skip_lazy=path.name == "__init__.py")
+    for node in nodes:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[:len(parts) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             names = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
+            if only is None and base.split(".")[0] in PACKAGES and module_file(base) \
+                    and module_file(base).name == "__init__.py":
+                defined, lazy = lazy_exports(base)
+                if lazy and any(a.name not in defined and not module_file(f"{base}.{a.name}") for a in node.names):
+                    found |= lazy
         for name in names:
             if name.split(".")[0] not in PACKAGES:
                 continue
@@ -147,7 +186,24 @@ def compact(files: set[Path]) -> list[str]:
     return sorted(out + [str(f) for f in files])
 
 
-if __name__ == "__main__":  # print the code deps each stage should list: python tests/test_dvc.py
+def write_code_deps(dvc_file: str) -> None:
+    """Rewrite each stage's `deps:` list in `dvc_file`: its import closure, then its other deps."""
+    import textwrap
+    lines = (ROOT / dvc_file).read_text().split("\n")
+    for name, stage in stages(dvc_file).items():
+        other = [d for d in stage["deps"] if Path(d).parts[0] not in PACKAGES]
+        i = lines.index(f"  {name}:")
+        j = next(k for k in range(i, len(lines)) if lines[k].startswith("    deps: ["))
+        k = next(k for k in range(j, len(lines)) if lines[k].rstrip().endswith("]"))
+        body = "    deps: [" + ", ".join(compact(import_closure(stage_module(stage))) + other) + "]"
+        lines[j:k + 1] = textwrap.wrap(body, width=118, subsequent_indent=" " * 11, break_on_hyphens=False)
+    (ROOT / dvc_file).write_text("\n".join(lines))
+
+
+if __name__ == "__main__":  # python tests/test_dvc.py [--write]: print (or write) each stage's code deps
+    import sys
     for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+        if "--write" in sys.argv:
+            write_code_deps(dvc_file)
         for name, stage in stages(dvc_file).items():
             print(f"{dvc_file} {name}: [{', '.join(compact(import_closure(stage_module(stage))))}]")

@@ -15,6 +15,8 @@ from model.gpt import GPT, GPTConfig
 from model.model_dir import portable_state_dict
 from model.optim import build_optimizer
 from model.precision import BACKENDS, BackendUnavailable, LayerFilter, available_backends, get_backend
+from model.precision.options import (BACKEND_OPTIONS, AutoOptions, Fp8Options, Nvfp4Options, OptionError, TEFp8Options,
+                                     parse_entry)
 from model.precision import base
 from model.precision import formats as fm
 
@@ -95,14 +97,57 @@ def test_fp8_runs_on_cpu_and_says_no_speedup():
 
 
 def test_bad_options_fail_up_front():
-    with pytest.raises(ValueError, match="te_recipe"):
+    with pytest.raises(OptionError, match=r"precision\.te_fp8\.recipe must be one of delayed, current"):
         get_backend("te-fp8", {"recipe": "fancy"})
-    with pytest.raises(ValueError, match="unknown nvfp4 option"):
+    with pytest.raises(OptionError, match=r"unknown key 'precision\.nvfp4\.hadamard'"):
         get_backend("nvfp4-emulated", {"hadamard": True})
-    with pytest.raises(ValueError, match="unknown precision backend"):
+    with pytest.raises(OptionError, match="unknown precision backend 'int4'"):
         get_backend("int4")
-    with pytest.raises(ValueError, match="fp8.scaling"):
+    with pytest.raises(OptionError, match=r"precision\.fp8\.scaling must be one of dynamic, delayed; got 'lazy'"):
         get_backend("fp8", {"scaling": "lazy"})
+    with pytest.raises(OptionError, match=r"precision\.fp8\.amax_history_len must be >= 1"):
+        Fp8Options(amax_history_len=0)
+    with pytest.raises(OptionError, match=r"precision\.nvfp4\.rht must be true or false"):
+        Nvfp4Options(rht="yes")
+    with pytest.raises(OptionError, match="'bf16' takes no options"):
+        get_backend("bf16", {"fast_accum": "all"})
+    with pytest.raises(TypeError, match="typed options"):  # a backend itself takes only its dataclass
+        BACKENDS["fp8"]({"scaling": "delayed"})
+    with pytest.raises(OptionError, match="takes Fp8Options, got TEFp8Options"):
+        get_backend("fp8", TEFp8Options())
+
+
+@pytest.mark.parametrize("text, name, changed, skip", [
+    ("fp8", "fp8", {}, None),
+    ("fp8:scaling=delayed,amax_history_len=4", "fp8", {"scaling": "delayed", "amax_history_len": 4}, None),
+    ("fp8:pow2_scales=false", "fp8", {"pow2_scales": False}, None),
+    ("te-fp8:current,modules=linear", "te-fp8", {"recipe": "current", "modules": "linear"}, None),
+    ("fp8:skip=", "fp8", {}, []),
+    ("fp8-emulated:skip=lm_head+attn.c_proj", "fp8-emulated", {}, ["lm_head", "attn.c_proj"]),
+    ("nvfp4-emulated:bf16_last_blocks=0", "nvfp4-emulated", {"bf16_last_blocks": 0}, None),
+])
+def test_probe_entries_parse_into_typed_options(text, name, changed, skip):
+    entry = parse_entry(text)
+    assert entry.name == name and entry.skip == skip
+    assert entry.options is None if BACKEND_OPTIONS[name] is None else isinstance(entry.options, BACKEND_OPTIONS[name])
+    assert (entry.options.changed() if entry.options else {}) == changed
+    get_backend(entry.name, entry.options)  # the backend takes them as they are
+
+
+@pytest.mark.parametrize("text, message", [
+    ("fp8:scaling=lazy", "probe entry 'fp8:scaling=lazy': precision.fp8.scaling must be one of dynamic, delayed"),
+    ("fp8:pow2_scales=maybe", "probe entry 'fp8:pow2_scales=maybe': precision.fp8.pow2_scales must be true or false"),
+    ("fp8:amax_history_len=x", "precision.fp8.amax_history_len must be an integer, got 'x'"),
+    ("fp8:fastacc=all", "probe entry 'fp8:fastacc=all': unknown key 'precision.fp8.fastacc'"),
+    ("te-fp8:fancy", "probe entry 'te-fp8:fancy': precision.te_fp8.recipe must be one of"),
+    ("fp8:delayed", "probe entry 'fp8:delayed': 'delayed' is not key=value"),
+    ("bf16:cast=inline", "probe entry 'bf16:cast=inline': backend 'bf16' takes no options"),
+    ("auto", "probe entry 'auto': unknown backend 'auto'"),
+])
+def test_bad_probe_entry_names_entry_and_key(text, message):
+    with pytest.raises(OptionError) as e:
+        parse_entry(text)
+    assert message in str(e.value)
 
 
 def test_auto_on_cpu_picks_bf16(tmp_path):
@@ -268,7 +313,7 @@ def test_fp8_scaled_mm_matches_emulation():
     assert a.weight is lin.weight  # same Parameter: names and optimizer unaffected
 
 
-RUNNABLE = [n for n in BACKENDS if n not in ("te-fp8", "te-nvfp4", "auto")] + ["auto", "fp8:delayed"]
+RUNNABLE = [n for n in BACKENDS if n not in ("te-fp8", "te-nvfp4", "auto")] + ["auto", "fp8:scaling=delayed"]
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
@@ -278,11 +323,11 @@ def test_training_reduces_loss(name, tmp_path):
     model = GPT(cfg)
     model.init_weights(seed=0)
     plain_keys = set(portable_state_dict(model))
-    opts = {"bf16_last_blocks": 0} if name == "nvfp4-emulated" else {}
     if name == "auto":
-        opts = {"probe_file": str(tmp_path / "probe.json")}
-    if name == "fp8:delayed":
-        name, opts = "fp8", {"scaling": "delayed"}
+        opts = AutoOptions(probe_file=str(tmp_path / "probe.json"))
+    else:
+        entry = parse_entry("nvfp4-emulated:bf16_last_blocks=0" if name == "nvfp4-emulated" else name)
+        name, opts = entry.name, entry.options
     be = get_backend(name, opts, LayerFilter())
     be.check(CPU)
     model = be.convert(model)
@@ -318,7 +363,7 @@ def test_disable_low_precision_gives_bf16_path():
 
 
 def test_probe_cpu_tiny(tmp_path):
-    from pipeline.probe import run_probe
+    from model.precision.probe import run_probe
     out = run_probe(steps=3, depth=1, seq_len=16, batch=2, vocab=64, backends=["bf16", "fp8", "te-fp8", "te-nvfp4"],
                     device="cpu", out_dir=str(tmp_path), log=lambda *_: None)
     rows = {r["label"]: r for r in out["results"]}
@@ -334,8 +379,8 @@ def test_probe_merge(tmp_path):
     """Probes of one configuration run in separate processes merge into one table against bf16."""
     import json
 
+    from model.precision.probe import merge_probes, run_probe
     from pipeline.probe import main as probe_main
-    from pipeline.probe import run_probe
     kw = dict(steps=2, depth=1, seq_len=16, batch=2, vocab=64, device="cpu", log=lambda *_: None)
     run_probe(backends=["bf16"], out_dir=str(tmp_path / "a"), **kw)
     run_probe(backends=["fp8-emulated"], out_dir=str(tmp_path / "b"), **kw)
@@ -344,7 +389,6 @@ def test_probe_merge(tmp_path):
     rows = {r["label"]: r for r in merged["results"]}
     assert set(rows) == {"bf16", "fp8-emulated"} and rows["fp8-emulated"]["speedup"] > 0
     # a row that failed or was refused in a later run does not hide the earlier result
-    from pipeline.probe import merge_probes
     failed = json.loads((tmp_path / "b/probe.json").read_text())
     failed["results"][0].update(ran=False, error="RuntimeError: out of memory")
     again = merge_probes([merged, failed])
@@ -374,6 +418,10 @@ def test_probe_params_file(tmp_path):
     with pytest.raises(SystemExit, match="unknown key 'probe.stepz'"):
         probe_main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+    # a bad entry on the command line stops before anything runs, naming the entry and the key
+    with pytest.raises(SystemExit, match=r"probe entry 'fp8:scaling=lazy': precision\.fp8\.scaling must be one of"):
+        probe_main(["--backends", "bf16", "fp8:scaling=lazy", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_probe_entry_layer_filter(tmp_path):
@@ -381,7 +429,7 @@ def test_probe_entry_layer_filter(tmp_path):
     auto never picks such an entry, since the run would convert other layers."""
     import json
 
-    from pipeline.probe import run_probe
+    from model.precision.probe import run_probe
     logs = []
     out = run_probe(steps=2, depth=1, seq_len=16, batch=2, vocab=64, backends=["fp8", "fp8:skip="],
                     device="cpu", out_dir=str(tmp_path), log=lambda *a: logs.append(" ".join(map(str, a))))
@@ -418,15 +466,6 @@ def test_te_wrapper_hands_te_the_autocast_dtype():
         lin(x)
     lin(x)
     assert seen == [torch.bfloat16, torch.float32]
-
-
-def test_options_from_params():
-    from model.precision import options_from_params
-    prec = {"backend": "te-fp8", "te_recipe": "delayed", "te_modules": "fused",
-            "nvfp4": {"rht": False, "bf16_last_blocks": 1}, "fp8": {"fast_accum": "all"}}
-    assert options_from_params("te-fp8", prec) == {"recipe": "delayed", "modules": "fused"}
-    for name in BACKENDS:
-        get_backend(name, options_from_params(name, prec))  # every section is accepted by its backend
 
 
 def _delayed_linear(history_len=4):

@@ -6,5 +6,5 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 python3 -m pipeline.probe --steps 10 --depth 2 --seq-len 256 --batch 8 --vocab 4096 \
   --backends bf16 fp8 fp8-emulated nvfp4-emulated --out /tmp/smoke > $OUT/smoke.log 2>&1
 tail -12 $OUT/smoke.log
-timeout 480 python3 -m pipeline.probe --steps 200 --depth 20 --backends bf16 fp8 --out $OUT/d20a > $OUT/d20a.log 2>&1
+timeout 480 python3 -m pipeline.probe --steps 200 --depth 20 --seq-len 2048 --batch 32 --vocab 65536 --backends bf16 fp8 --out $OUT/d20a > $OUT/d20a.log 2>&1
 tail -25 $OUT/d20a.log

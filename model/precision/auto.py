@@ -1,19 +1,18 @@
 """auto: the fastest backend that passed the probe on this machine.
 
 Choice, in order:
-1. A probe.json (from `sparkchat probe`; path in params `precision.auto.probe_file`) measured on a GPU
-   of the same name and compute capability: the highest tokens/s among entries that ran, are not
-   emulated, and whose loss stayed within `max_loss_diff_pct` (default 1%) of bf16; its options too.
-   Entries probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers
-   than the run's `precision.layer_filter` would convert.
-2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the
-   probe measured on an H200 at d20 (bench/results/h200-d20-2026-12-03e, -03f and -03g): fp8 with its
-   defaults first (dynamic power-of-two scales through the cast-transpose kernel, fused MLPs: 1.216x
-   bf16, 348 ms a micro-step; needs only torch and, for the kernel, Triton, else its casts go
-   inline). Delayed scaling measured 1.236x of another run's bf16 at 349 ms: as fast, but its scales
-   lag a step, so dynamic goes first. Then te-fp8 with delayed scaling and fused MLPs (1.169x, 362 ms,
-   in the same run as fp8's 1.216x; needs Transformer Engine), then bf16. NVFP4 is never chosen
-   without a probe (its loss needs checking first).
+1. A probe.json (from `sparkchat probe`; `AutoOptions.probe_file`, params `precision.auto`) measured
+   on a GPU of the same name and compute capability: the highest tokens/s among entries that ran, are
+   not emulated, and whose loss stayed within `max_loss_diff_pct` of bf16; its options too. Entries
+   probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers than
+   the run's `precision.layer_filter` would convert.
+2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the probe
+   measured on an H200 at d20 (bench/results/h200-d20-2026-12-03e, -03f and -03g; bench/results/
+   README.md). fp8 with its defaults first (needs only torch and, for its cast kernel, Triton, else
+   its casts go inline). Delayed scaling measured as fast, but its scales lag a step, so the default
+   dynamic scaling goes first. Then te-fp8 with its defaults (slower than fp8 in the same run; needs
+   Transformer Engine), then bf16. NVFP4 is never chosen without a probe (its loss needs checking
+   first).
 The log says which it chose and why. Everything else delegates to the chosen backend.
 """
 from __future__ import annotations
@@ -25,23 +24,25 @@ import torch
 
 from .base import PrecisionBackend, describe_device
 from .fp8_cast import triton_available
+from .options import AutoOptions, Fp8Options, options_for
 
-PREFERENCE = [("fp8", {"cast": "kernel" if triton_available() else "inline"}),
-              ("te-fp8", {"recipe": "delayed", "modules": "fused"}), ("bf16", {})]
+PREFERENCE = [("fp8", Fp8Options(cast="kernel" if triton_available() else "inline")), ("te-fp8", None),
+              ("bf16", None)]
 
 
 class AutoBackend(PrecisionBackend):
     name = "auto"
-    DEFAULTS = {"probe_file": "probe.json", "max_loss_diff_pct": 1.0}
+    options: AutoOptions
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
-        self.cfg = {**self.DEFAULTS, **self.options}
         self.chosen: PrecisionBackend | None = None
         self.reason = ""
 
     def _from_probe(self, device):
-        path = Path(self.cfg["probe_file"])
+        if not self.options.probe_file:
+            return None, "no probe file given"
+        path = Path(self.options.probe_file)
         if not path.is_file():
             return None, f"no probe file at {path}"
         data = json.loads(path.read_text())
@@ -50,9 +51,9 @@ class AutoBackend(PrecisionBackend):
             return None, f"{path} was measured on {data.get('device')!r}, this is {here!r}"
         ok = [r for r in data.get("results", [])
               if r.get("ran") and not r.get("emulated") and r.get("tokens_per_s") and "skip" not in (r.get("options") or {})
-              and r.get("loss_diff_pct") is not None and abs(r["loss_diff_pct"]) <= float(self.cfg["max_loss_diff_pct"])]
+              and r.get("loss_diff_pct") is not None and abs(r["loss_diff_pct"]) <= self.options.max_loss_diff_pct]
         if not ok:
-            return None, f"{path} has no non-emulated backend within {self.cfg['max_loss_diff_pct']}% of bf16 loss"
+            return None, f"{path} has no non-emulated backend within {self.options.max_loss_diff_pct}% of bf16 loss"
         best = max(ok, key=lambda r: r["tokens_per_s"])
         return (best["backend"], best.get("options") or {}), \
             f"fastest in {path}: {best['tokens_per_s']:.0f} tok/s ({best.get('speedup', 0):.2f}x bf16), " \
@@ -65,13 +66,13 @@ class AutoBackend(PrecisionBackend):
         device = torch.device(device)
         pick, why = self._from_probe(device)
         if pick is not None:
-            cand = get_backend(pick[0], pick[1], self.layer_filter)
+            cand = get_backend(pick[0], options_for(*pick), self.layer_filter)
             if cand.unavailable_reason(device) is None:
                 self.chosen, self.reason = cand, why
                 return cand
             why = f"probe's pick {pick[0]} does not run here"
         if device.type != "cuda":  # low precision brings no speedup off the GPU
-            self.chosen, self.reason = get_backend("bf16", {}, self.layer_filter), f"{why}; not a CUDA device"
+            self.chosen, self.reason = get_backend("bf16", None, self.layer_filter), f"{why}; not a CUDA device"
             return self.chosen
         for name, opts in PREFERENCE:
             cand = get_backend(name, opts, self.layer_filter)

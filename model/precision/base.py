@@ -8,30 +8,16 @@ loop calls it before reading data or writing anything, so a backend that cannot 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
 
+from .options import LayerFilter, Options, options_for
+
 
 class BackendUnavailable(RuntimeError):
     """Raised by `check`: this backend cannot run on this machine. The message says why and what runs."""
-
-
-@dataclass
-class LayerFilter:
-    """Which Linear layers a backend converts. FP8/FP4 GEMMs need dims divisible by 16; the output head
-    (and embeddings, which are not Linears) stay in higher precision by default."""
-    dim_multiple: int = 16
-    skip: list[str] = field(default_factory=lambda: ["lm_head"])
-
-    def __call__(self, fqn: str, module: nn.Module) -> bool:
-        if not isinstance(module, nn.Linear) or getattr(module, "is_low_precision", False):
-            return False
-        if any(s and s in fqn for s in self.skip):
-            return False
-        return module.in_features % self.dim_multiple == 0 and module.out_features % self.dim_multiple == 0
 
 
 def swap_linears(model: nn.Module, layer_filter: Callable[[str, nn.Module], bool],
@@ -90,8 +76,10 @@ class PrecisionBackend:
     # blocks (embedding, head, loss) uncompiled
     compile_regions: ClassVar[bool] = False
 
-    def __init__(self, options: dict | None = None, layer_filter: LayerFilter | None = None):
-        self.options = dict(options or {})
+    def __init__(self, options: Options | None = None, layer_filter: LayerFilter | None = None):
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"{self.name} takes typed options (options.BACKEND_OPTIONS), got {type(options).__name__}")
+        self.options = options_for(self.name, options)  # this backend's dataclass (defaults when None); None if it has none
         self.layer_filter = layer_filter or LayerFilter()
         self.converted = 0
 

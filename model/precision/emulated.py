@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from . import formats as fm
 from .base import ConvertedLinear, LayerFilter, PrecisionBackend, low_precision_enabled, matmul_dtype, swap_linears
+from .options import Nvfp4Options
 
 
 def _2d(t: torch.Tensor) -> torch.Tensor:
@@ -109,10 +110,9 @@ def skip_last_blocks(layer_filter: LayerFilter, model: nn.Module, n: int) -> Lay
     return LayerFilter(layer_filter.dim_multiple, list(layer_filter.skip) + extra)
 
 
-# Emulated quantisation is a long chain of elementwise ops per Linear: compiling the whole model took
-# 323 s for nvfp4-emulated at d20 on the H200. Block by block compiles one block's chain once
-# (`python -m bench.compile_time`, 2-core CPU, depth 6: 132.5 s -> 40.4 s); speed is not what these
-# backends are for.
+# Emulated quantisation is a long chain of elementwise ops per Linear, slow to compile as one model.
+# Block by block compiles one block's chain once (`python -m bench.compile_time` measures both);
+# speed is not what these backends are for.
 class Fp8EmulatedBackend(PrecisionBackend):
     name = "fp8-emulated"
     emulated = True
@@ -123,33 +123,30 @@ class Fp8EmulatedBackend(PrecisionBackend):
         return model
 
 
+def nvfp4_label(name: str, o: Nvfp4Options) -> str:
+    return (f"{name}[2d={int(o.weight_2d)},sr={int(o.stochastic_rounding)},rht={int(o.rht)},"
+            f"bf16_last={o.bf16_last_blocks}]")
+
+
 class Nvfp4EmulatedBackend(PrecisionBackend):
-    """Options (params `precision.nvfp4.*`, shared with te-nvfp4): weight_2d (16x16 weight tiles, default
-    true), stochastic_rounding (gradients, default true), rht (random Hadamard transform on the wgrad
-    operands, default true), bf16_last_blocks (final transformer blocks left unconverted, default 2)."""
+    """Options: `Nvfp4Options` (params `precision.nvfp4`, shared with te-nvfp4)."""
     name = "nvfp4-emulated"
     emulated = True
     compile_regions = True
-    OPTIONS = {"weight_2d": True, "stochastic_rounding": True, "rht": True, "bf16_last_blocks": 2}
+    options: Nvfp4Options
 
     def __init__(self, options=None, layer_filter=None):
         super().__init__(options, layer_filter)
-        unknown = set(self.options) - set(self.OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown nvfp4 option(s) {sorted(unknown)}; known: {sorted(self.OPTIONS)}")
-        self.cfg = {**self.OPTIONS, **self.options}
         if self.layer_filter.dim_multiple % fm.NVFP4_BLOCK:
             raise ValueError(f"NVFP4 needs the layer filter's dim_multiple to be a multiple of {fm.NVFP4_BLOCK}")
 
     @property
     def label(self) -> str:
-        c = self.cfg
-        return (f"{self.name}[2d={int(c['weight_2d'])},sr={int(c['stochastic_rounding'])},"
-                f"rht={int(c['rht'])},bf16_last={c['bf16_last_blocks']}]")
+        return nvfp4_label(self.name, self.options)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        c = self.cfg
-        filt = skip_last_blocks(self.layer_filter, model, int(c["bf16_last_blocks"]))
+        o = self.options
+        filt = skip_last_blocks(self.layer_filter, model, o.bf16_last_blocks)
         self.converted = swap_linears(model, filt, lambda lin: Nvfp4EmulatedLinear.from_linear(
-            lin, tile_2d=bool(c["weight_2d"]), stochastic=bool(c["stochastic_rounding"]), rht=bool(c["rht"])))
+            lin, tile_2d=o.weight_2d, stochastic=o.stochastic_rounding, rht=o.rht))
         return model

@@ -11,18 +11,20 @@ The three GEMMs of a Linear y = x W^T (x: M x K tokens-by-features, W: N x K):
     dgrad    dx = dy @ W       e5m2 x e4m3  -> bf16
     wgrad    dW = dy^T @ x     e5m2 x e4m3  -> fp32
 They live in one autograd Function under torch.compile. Where the casts run (`cast`):
-  - `kernel` (default): each activation and gradient goes through one cast-transpose op
+  - `kernel`: each activation and gradient goes through one cast-transpose op
     (fp8_cast.py; a Triton kernel on CUDA) that writes the row-major FP8 copy and the transposed one
     the weight-gradient GEMM needs in a single pass, and finds the tensor's amax on the way. The
     activation is handed over in the matmul dtype (bf16 on a GPU), so an fp32 activation is rounded
     to bf16 before FP8, as TE's inputs are; inline casts round fp32 straight to FP8. Its FP8 copy
     of each input is saved for the backward, where the compiler would recompute an inline cast:
-    +11 GiB at d20, still below bf16 (bench/saved_activations.py shows the saved tensors);
+    more memory than inline casts, still below bf16 (bench/saved_activations.py shows the saved
+    tensors; measured in bench/results/README.md);
   - `inline`: the casts are plain tensor code that Inductor fuses into the neighbouring kernels. It
-    then writes the transposed copy from kernels whose iteration order suits only the row-major one:
-    at d20 on the H200 those kernels took 71 ms of a 372 ms micro-step more than bf16's.
+    then writes the transposed copy from kernels whose iteration order suits only the row-major one,
+    and those kernels cost more than the GEMMs save (bench/results/README.md, "Where the micro-step's
+    time goes").
 Uncompiled, the inline casts are separate memory passes and FP8 is slower than bf16.
-With `cast: kernel`, `mlp: fused` (default) also runs each relu^2 MLP as one autograd Function whose
+With `cast: kernel`, `mlp: fused` also runs each relu^2 MLP as one autograd Function whose
 squared ReLU (and its backward) happens inside the cast op: the first GEMM's bf16 output goes
 straight into the cast of the second GEMM's input, and the second GEMM's input gradient straight into
 the cast of the first's output gradient, so the two elementwise passes of the 4x-wide hidden tensor
@@ -32,25 +34,25 @@ What the kernel requires (cuBLASLt on sm_89+): the first operand row-major, the 
 (`b.t()` of a contiguous tensor), inner dimension and both outer dimensions divisible by 16, FP32
 scalar scales, and at most one e5m2 operand. Hence the layer filter's dim_multiple=16, and the
 `.t().contiguous().t()` calls below that produce the column-major copies.
-`use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only by default
-(`fast_accum: forward`); gradients accumulate at full precision (`none` / `all` to change).
+`use_fast_accum` (a cheaper accumulation in the tensor core) is on for the forward GEMM only with
+`fast_accum: forward`, so gradients accumulate at full precision (`none`: nowhere, `all`: everywhere).
+The options and their defaults: `Fp8Options` (options.py, params `precision.fp8`).
 
-Delayed scaling (`scaling: delayed`, off by default), TE's DelayedScaling recipe: the activation and
+Delayed scaling (`scaling: delayed`), TE's DelayedScaling recipe: the activation and
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
 wait for this step's amax. With `cast: kernel` that removes the separate amax passes over activations
-and gradients (the op records the amax it finds while casting; the small weights keep theirs). On
-the H200 at d20, with the fused MLP, one run: delayed 1.236x bf16, dynamic 1.181x (bench/results/
-README.md); dynamic inline casts got 1.11x in another. With inline casts delayed scaling bought nothing. The
-first step (and the first after a resume) scales dynamically. Under data parallelism the histories
-are reduced to their maximum over ranks every step (`sync_ranks`).
+and gradients (the op records the amax it finds while casting; the small weights keep theirs); with
+inline casts it bought nothing (both measured: bench/results/README.md). The first step (and the
+first after a resume) scales dynamically. Under data parallelism the histories are reduced to their
+maximum over ranks every step (`sync_ranks`).
 
-Power-of-two scales (`pow2_scales: true`, default): every scale is the largest power of two that
+Power-of-two scales (`pow2_scales: true`): every scale is the largest power of two that
 keeps the tensor's amax within the format (formats.pow2_scale), so the largest value lands in the top
 binade rather than on the maximum; relative precision is the same. Such a scale changes only when
 amax crosses a power of two, so with dynamic scaling and `cast: kernel` the cast op starts from last
 step's scale and casts again only when this step's differs (fp8_cast.cast_transpose_pow2): dynamic
-scaling, bit for bit, without the separate amax passes. H200, d20, one run (bench/results/
-h200-d20-2026-12-03f): 1.212x bf16 (347 ms a micro-step), loss +0.11%; exact scales 1.187x, +0.10%.
+scaling, bit for bit, without the separate amax passes: faster than exact scales at the same loss
+(bench/results/h200-d20-2026-12-03f, the reason it is the default).
 
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.
@@ -65,12 +67,7 @@ from . import base
 from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
 from .fp8_cast import activate, cast_transpose, cast_transpose_pow2, triton_available
-
-FAST_ACCUM = ("forward", "all", "none")
-SCALING = ("dynamic", "delayed")
-CAST = ("kernel", "inline")
-MLP = ("fused", "linear")
-
+from .options import Fp8Options
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """Same values, column-major storage (what _scaled_mm wants for its second operand)."""
@@ -282,35 +279,10 @@ def _fusable_mlp(module: nn.Module) -> bool:
 
 
 class Fp8Backend(PrecisionBackend):
-    """Options (params `precision.fp8.*`): fast_accum = forward (default) | all | none; scaling = dynamic
-    (default: each tensor by its own amax) | delayed (activations and gradients by the largest amax of
-    the last `amax_history_len` steps, as TE's DelayedScaling; weights stay dynamic); cast = kernel
-    (default: the cast-transpose op) | inline (casts fused by torch.compile); mlp = fused (default: with
-    cast = kernel, each relu^2 MLP as one Function, its activation inside the casts) | linear;
-    pow2_scales = true (default: every scale a power of two, so dynamic scaling through the kernel skips
-    its amax passes) | false (scale = max / amax exactly)."""
+    """Options: `Fp8Options` (params `precision.fp8`), each explained in this file's docstring."""
     name = "fp8"
     MIN_CAPABILITY = (8, 9)
-    OPTIONS = {"fast_accum": "forward", "scaling": "dynamic", "amax_history_len": 16, "cast": "kernel", "mlp": "fused",
-               "pow2_scales": True}
-
-    def __init__(self, options=None, layer_filter=None):
-        super().__init__(options, layer_filter)
-        unknown = set(self.options) - set(self.OPTIONS)
-        if unknown:
-            raise ValueError(f"unknown fp8 option(s) {sorted(unknown)}; known: {sorted(self.OPTIONS)}")
-        cfg = {**self.OPTIONS, **self.options}
-        self.fast_accum, self.scaling = cfg["fast_accum"], cfg["scaling"]
-        self.history_len = int(cfg["amax_history_len"])
-        self.cast, self.mlp = cfg["cast"], cfg["mlp"]
-        self.pow2 = cfg["pow2_scales"]
-        if not isinstance(self.pow2, bool):
-            raise ValueError(f"precision.fp8.pow2_scales must be true or false, got {self.pow2!r}")
-        for key, choices in (("fast_accum", FAST_ACCUM), ("scaling", SCALING), ("cast", CAST), ("mlp", MLP)):
-            if cfg[key] not in choices:
-                raise ValueError(f"precision.fp8.{key} must be one of {choices}, got {cfg[key]!r}")
-        if self.history_len < 1:
-            raise ValueError(f"precision.fp8.amax_history_len must be >= 1, got {self.history_len}")
+    options: Fp8Options
 
     def unavailable_reason(self, device):
         device = torch.device(device)
@@ -331,18 +303,19 @@ class Fp8Backend(PrecisionBackend):
     def notes(self, device):
         if torch.device(device).type == "cpu":
             return ["fp8 on CPU runs the real _scaled_mm path for correctness only: no speedup on CPU"]
-        if self.cast == "kernel" and not triton_available():
+        if self.options.cast == "kernel" and not triton_available():
             return ["fp8 cast: kernel without Triton installed runs the cast-transpose op in plain torch, "
                     "slower than cast: inline; install triton (CUDA builds of torch bring it)"]
         return []
 
     @property
     def label(self) -> str:
-        opts = [f"fast_accum={self.fast_accum}"] if self.fast_accum != "forward" else []
-        opts += [f"delayed,history={self.history_len}"] if self.scaling == "delayed" else []
-        opts += [f"cast={self.cast}"] if self.cast != self.OPTIONS["cast"] else []
-        opts += [f"mlp={self.mlp}"] if self.cast == "kernel" and self.mlp != self.OPTIONS["mlp"] else []
-        opts += ["exact_scales"] if not self.pow2 else []  # before this default, plain `fp8` rows meant these
+        o, changed = self.options, self.options.changed()
+        opts = [f"fast_accum={o.fast_accum}"] if "fast_accum" in changed else []
+        opts += [f"delayed,history={o.amax_history_len}"] if o.scaling == "delayed" else []
+        opts += [f"cast={o.cast}"] if "cast" in changed else []
+        opts += [f"mlp={o.mlp}"] if o.cast == "kernel" and "mlp" in changed else []
+        opts += ["exact_scales"] if not o.pow2_scales else []  # before this default, plain `fp8` rows meant these
         return f"{self.name}[{','.join(opts)}]" if opts else self.name
 
     def sync_ranks(self, model: nn.Module) -> None:
@@ -358,11 +331,12 @@ class Fp8Backend(PrecisionBackend):
             h.copy_(v)
 
     def convert(self, model: nn.Module) -> nn.Module:
-        kw = dict(fast_fwd=self.fast_accum in ("forward", "all"), fast_bwd=self.fast_accum == "all",
-                  history_len=self.history_len if self.scaling == "delayed" else 0, cast_kernel=self.cast == "kernel",
-                  pow2=self.pow2)
+        o = self.options
+        kw = dict(fast_fwd=o.fast_accum in ("forward", "all"), fast_bwd=o.fast_accum == "all",
+                  history_len=o.amax_history_len if o.scaling == "delayed" else 0, cast_kernel=o.cast == "kernel",
+                  pow2=o.pow2_scales)
         self.converted = swap_linears(model, self.layer_filter, lambda lin: Fp8Linear.from_linear(lin, **kw))
-        if self.cast == "kernel" and self.mlp == "fused":  # inline casts: the compiler fuses the MLP itself
+        if o.cast == "kernel" and o.mlp == "fused":  # inline casts: the compiler fuses the MLP itself
             for name, mod in list(model.named_modules()):
                 if name and _fusable_mlp(mod):
                     parent, _, child = name.rpartition(".")

@@ -4,8 +4,8 @@ Hopper's FP8 GEMM takes only K-major operands, so the weight-gradient GEMM dW = 
 x stored transposed (tokens contiguous) next to the row-major copies the other GEMMs use. Left to
 torch.compile, the cast and the transposed write land inside whatever kernel produced the tensor
 (QK-norm/RoPE backward, squared-ReLU backward), whose iteration order suits the row-major write only:
-on the H200 at d20 the two largest took 33.0 and 21.5 ms of a 367 ms micro-step, several times what
-their memory traffic needs (bench/results/README.md). Here the cast is one custom op, opaque to the
+on the H200 those kernels took far longer than their memory traffic needs (bench/results/README.md,
+fourth session, and h200-d20-2026-12-03b). Here the cast is one custom op, opaque to the
 compiler: on CUDA a Triton kernel reads a tile from memory, scales, saturates and rounds it, and
 writes it twice (as is and transposed, both coalesced; the transposed copy from a second read of the
 same tile, which L2 serves); elsewhere the same arithmetic in plain torch. The producer then writes an
