@@ -191,26 +191,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--http", action="store_true", help="also through the HTTP server")
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
+    ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/serve_gpu.py needs a CUDA GPU")
     levels = [int(x) for x in args.levels.split(",")]
     device = torch.device("cuda")
-    model = d_model(args.depth, args.vocab, device)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
-    bw = copy_bandwidth(device)
-    bound_ms = 1000 * weight_bytes / bw
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "depth": args.depth,
-           "params": model.num_params(), "weight_bytes_read_per_step": weight_bytes,
-           "copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4),
-           "prompt_tokens": args.prompt, "new_tokens": args.new}
-    print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
-          f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
-    t = time.perf_counter()
-    Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
-    res["warmup_s"] = round(time.perf_counter() - t, 1)
-    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.trained:  # a trained model's logits are peaked: greedy ids are not decided by rounding
         from model.chat import render
         from model.model_dir import load_model_dir
@@ -219,8 +207,26 @@ def main(argv=None) -> dict:
         res["greedy_vs_eager_trained"] = greedy_agreement(trained, prompts)
         print(f"greedy ids of {args.trained}, graphs vs eager: {res['greedy_vs_eager_trained']}", flush=True)
         del trained
+        if args.agreement_only:
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+            return res
+    model = d_model(args.depth, args.vocab, device)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
+    bw = copy_bandwidth(device)
+    bound_ms = 1000 * weight_bytes / bw
+    res.update({"depth": args.depth, "params": model.num_params(), "weight_bytes_read_per_step": weight_bytes,
+                "copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4),
+                "prompt_tokens": args.prompt, "new_tokens": args.new})
+    print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
+          f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
+    t = time.perf_counter()
+    Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
+    res["warmup_s"] = round(time.perf_counter() - t, 1)
+    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 600, (10,), generator=g)]
+    prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 600, (10,), generator=g)]
     res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
     print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
           f"{res['greedy_vs_eager_random']}", flush=True)
