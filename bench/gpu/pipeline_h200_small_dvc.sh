@@ -15,7 +15,8 @@
 # needs no GPU).
 # Comes back under $OUT: log (everything DVC and the stages printed, each line stamped with seconds
 # since the start), summary.txt (stage wall times, exp show, metrics show), results.tar (reports/,
-# params.yaml, dvc.lock, exp show as JSON); with KEEP_MODEL=1 also the model in 15 MB parts.
+# params.yaml, dvc.lock, exp show as JSON); with KEEP_MODEL=1 also the model in 15 MB parts; with
+# AGREEMENT=1 greedy_trained.json (the trained model's greedy ids, CUDA graphs against eager).
 # DVC_TIMEOUT (seconds, default 500) bounds `dvc exp run` so the rest still comes back inside a
 # 600 s call.
 set -o pipefail
@@ -138,6 +139,12 @@ dvc exp show --json > $T/exp_show.json 2>/dev/null
 tar -cf "$OUT/results.tar" reports params.yaml dvc.lock -C "$T" exp_show.json 2>/dev/null
 if [ -n "$KEEP_MODEL" ] && [ -d artifacts/model ]; then
   tar -cf $T/model.tar -C artifacts model && split -b 15M $T/model.tar "$OUT/model.tar.part"
+fi
+# AGREEMENT=1: the trained chat model's greedy ids through the CUDA-graph decode path against the
+# eager path (bench/serve_gpu.py --trained), on the machine that trained it
+if [ -n "$AGREEMENT" ] && [ -d artifacts/model ]; then
+  timeout 120 python -m bench.serve_gpu --trained artifacts/model --agreement-only --out "$OUT/greedy_trained.json" 2>&1 \
+    | grep -v Warning | tail -3
 fi
 ls -la "$OUT"
 exit $rc
