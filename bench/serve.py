@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -60,6 +61,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], timeout: float = 120):
+    """Start `python <argv> --port P` from the project root (a separate process), wait until /health
+    answers, yield the base URL, and stop the server afterwards."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("SPARKCHAT_API_KEY", None)
+    server = subprocess.Popen([sys.executable, *argv, "--port", str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                sys.exit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
+            time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> int:
@@ -111,24 +142,9 @@ def main(argv=None) -> dict:
         model_dir = random_model_dir(args.random_init, Path(tmp) / "model") if args.random_init else Path(args.model)
         if not (model_dir / "config.json").is_file():
             sys.exit(f"{model_dir} is not a model directory: run the pipeline, or pass --random-init DEPTH")
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(port),
-               "--device", args.device, "--max-batch", str(max(levels)), "--max-queue", "256"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop("SPARKCHAT_API_KEY", None)
-        server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            deadline = time.time() + 120
-            while True:
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.time() > deadline:
-                    sys.exit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
-                time.sleep(0.2)
+        argv = ["-m", "serve", "--model", str(model_dir), "--device", args.device, "--max-batch", str(max(levels)),
+                "--max-queue", "256"]
+        with running_server(argv) as base:
             results = {}
             for n in levels:
                 tokens, requests, secs = asyncio.run(run_level(base, n, args.seconds, args.max_tokens))
@@ -137,12 +153,6 @@ def main(argv=None) -> dict:
                       f"{results[n]:7.1f} tokens/s"
                       + (f"  ({results[n] / results[levels[0]]:.2f}x vs {levels[0]})" if n != levels[0] else ""),
                       flush=True)
-        finally:
-            server.terminate()
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
     return results
 
 

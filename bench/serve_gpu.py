@@ -16,8 +16,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,7 +26,6 @@ import torch
 from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
 from model.gpt import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def d_model(depth: int, vocab: int, device) -> GPT:
@@ -138,28 +135,13 @@ def http_levels(model_dir: Path, levels, new: int) -> dict:
     nothing to a request's path) and the OpenAI streaming API."""
     import httpx
 
-    from bench.serve import free_port, one_stream
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+    from bench.serve import one_stream, running_server
+    # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
     launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
               "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device='cuda', max_batch=int(sys.argv[2]), "
-              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[3]), log_level='warning')")
-    cmd = [sys.executable, "-c", launch, str(model_dir), str(max(levels)), str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[4]), log_level='warning')")
     out = {}
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
-            time.sleep(0.5)
-
+    with running_server(["-c", launch, str(model_dir), str(max(levels))], timeout=300) as base:
         async def level(n: int) -> dict:
             url = base + "/v1/chat/completions"
             limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
@@ -172,12 +154,6 @@ def http_levels(model_dir: Path, levels, new: int) -> dict:
 
         for n in levels:
             out[n] = asyncio.run(level(n))
-    finally:
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
     return out
 
 
