@@ -184,8 +184,7 @@ def main(argv=None) -> dict:
         print(f"greedy ids of {args.trained}, graphs vs eager: {res['greedy_vs_eager_trained']}", flush=True)
         del trained
         if args.agreement_only:
-            if args.out:
-                Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+            save(res, args.out)
             return res
     model = d_model(args.depth, args.vocab, device)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
@@ -217,6 +216,7 @@ def main(argv=None) -> dict:
             print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
                   f"TTFT {x['ttft_ms_median']:7.1f} ms, {x['of_bound']:.1%} of the weight-read bound", flush=True)
         print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
+        save(res, args.out)
     if args.http:
         from model.model_dir import save_model_dir
         from model.tokenizer import SparkTokenizer
@@ -232,10 +232,15 @@ def main(argv=None) -> dict:
             e = res["engine_graphs"][n]["tokens_per_s"]
             print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine alone)",
                   flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
     return res
+
+
+def save(res: dict, out: str | None) -> None:
+    """Written after each part, so a later part that fails loses nothing."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":
