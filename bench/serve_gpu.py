@@ -105,10 +105,11 @@ CHAT_PROMPTS = ["What is 37 + 58?", "Spell the word 'garden'.", "How many r's ar
 
 
 def greedy_agreement(model, prompts: list[list[int]], new: int = 32) -> dict:
-    """Greedy ids of the graph path (all prompts at once) against the eager path (one at a time)."""
+    """Greedy ids of the graph path (all prompts at once, steps launched ahead) against the plain eager
+    path (one prompt at a time, each step read back before the next)."""
     n_prompts = len(prompts)
     params = SamplingParams(temperature=0.0, max_tokens=new)
-    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, prefill_chunk=10_000)).start()
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, run_ahead=False, prefill_chunk=10_000)).start()
     try:
         want = [eager.generate(p, params)[0] for p in prompts]
     finally:

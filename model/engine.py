@@ -195,6 +195,9 @@ class EngineConfig:
     """KV-cache dtype; default: the model's parameter dtype."""
     prefill_chunk: int = 512
     """Prompt ids prefilled per request and scheduler step; longer prompts take several steps."""
+    run_ahead: bool | None = None
+    """Launch the next decode step before reading this one's ids back, when its inputs allow; None: on
+    CUDA only (on a CPU nothing runs behind the host's back, so it would only add wasted steps)."""
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from CUDA graphs (one per bucket of rows and cache slots), over
     blocks compiled with torch.compile."""
@@ -213,12 +216,15 @@ class Engine:
         self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype)
         self.lens = [0] * config.max_batch  # tokens each cache row holds (the host's copy: no reads back)
         self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
+        self.run_ahead = self.device.type == "cuda" if config.run_ahead is None else config.run_ahead
         self.active: list[Request] = []
+        self._inflight: _Step | None = None  # a decode step launched ahead, not yet collected
         self.waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
         self.steps = 0  # decode steps run (for tests and metrics)
+        self.steps_ahead = 0  # of which launched before the previous one's ids were read back
         self.stop_ids = set(config.stop_ids)
 
     # ---- public API (any thread) ----
@@ -313,13 +319,15 @@ class Engine:
                     self._admit()
                     self._prefill_chunks()
                     self._evict()
-                    if any(not r.prefilling for r in self.active):
+                    if self._inflight is not None or any(not r.prefilling for r in self.active):
                         self._decode()
                         self._evict()
                 except Exception as e:  # never let one bad step kill the server
                     for req in list(self.active):
                         self._finish(req, "error", f"{type(e).__name__}: {e}")
                     self.active.clear()
+                    self._inflight = None
+                    self.lens = [0] * self.config.max_batch
 
     def _admit(self) -> None:
         """Move waiting requests into free rows n.. and prefill them together in one forward (a long
@@ -375,32 +383,54 @@ class Engine:
         self.cache.lengths[start:start + len(lens)] = torch.tensor(lens)
 
     def _decode(self) -> None:
-        """One token for every row whose prompt is in. Rows still prefilling ride along (the batch keeps
-        its shape) and are put back to their length afterwards; their slot gets overwritten later."""
+        """Collect one decode step: the one already running ahead, or a new one. Before reading its
+        results back, launch the next step when its input can be this one's sampled ids as they lie
+        on the device (`_can_run_ahead`): the host then handles step N's tokens while the device
+        computes step N+1, instead of the device waiting for the host between steps."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            step = self._launch([r.last if not r.prefilling else 0 for r in self.active])
+        if self._can_run_ahead(step):
+            self._inflight = self._launch(step.sampled)
+            self.steps_ahead += 1
+        self._collect(step)
+
+    def _can_run_ahead(self, step: "_Step") -> bool:
+        """The next step's inputs are `step`'s sampled ids: the rows are the same requests, none of
+        them prefilling or fed by a tool, and no waiting request is about to take a free row. A row
+        that `step` finishes computes one wasted token in the next step, which is dropped."""
+        return (self.run_ahead and self.active == step.reqs
+                and not any(r.prefilling or r.forced or r.cancelled for r in self.active)
+                and not (self.waiting and len(self.active) < self.config.max_batch))
+
+    def _launch(self, ids: "list[int] | torch.Tensor") -> "_Step":
+        """Start one decode step over every active row (ids: each row's input, on the host or as the
+        previous step's sampled ids on the device). Rows still prefilling ride along (the batch keeps
+        its shape) and are put back to their length; their slot gets overwritten later."""
         n = len(self.active)
-        ids = [r.last if not r.prefilling else 0 for r in self.active]
+        reqs = list(self.active)
         kv_len = max(self.lens[:n]) + 1
-        decoding = [row for row, r in enumerate(self.active) if not r.prefilling]
+        idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
+        settings = [idle if r.prefilling else self._settings([r])[0] for r in reqs]
         if self.graphs is not None:  # the forward and the sampling in one graph replay
-            idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
-            settings = [idle if r.prefilling else self._settings([r])[0] for r in self.active]
             sampled = self.graphs.step(ids, settings, kv_len)
-            logits = None
         else:
-            x = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
-            logits, sampled = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1], None
+            x = (ids if torch.is_tensor(ids) else torch.tensor(ids, dtype=torch.long, device=self.device)).view(n, 1)
+            logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]
+            st = torch.tensor(settings, dtype=torch.float32, device=self.device)
+            sampled = sample(logits, st[:, 0], st[:, 1].long(), st[:, 2], st[:, 3])
         self.steps += 1
-        for row, req in enumerate(self.active):
+        for row, req in enumerate(reqs):
             if req.prefilling:
                 self.cache.lengths[row] = self.lens[row]
             else:
                 self.lens[row] += 1
-        if len(decoding) == n:
-            self._advance(self.active, logits, sampled)
-        elif sampled is not None:
-            self._advance([self.active[r] for r in decoding], sampled=[sampled[r] for r in decoding])
-        else:
-            self._advance([self.active[r] for r in decoding], logits[torch.tensor(decoding, device=self.device)])
+        return _Step(reqs, sampled)
+
+    def _collect(self, step: "_Step") -> None:
+        ids = step.result()
+        rows = [row for row, r in enumerate(step.reqs) if not r.prefilling]
+        self._advance([step.reqs[r] for r in rows], sampled=[ids[r] for r in rows])
 
     @staticmethod
     def _settings(reqs: list[Request]) -> list[list[float]]:
@@ -492,6 +522,26 @@ class Engine:
                 i += 1
 
 
+class _Step:
+    """A launched decode step: the requests by row at launch, and their sampled ids on the device,
+    being copied to the host (pinned memory, so the copy runs behind the step)."""
+
+    def __init__(self, reqs: list[Request], sampled: torch.Tensor):
+        self.reqs, self.sampled = reqs, sampled
+        if sampled.is_cuda:
+            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self.host.copy_(sampled, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = sampled, None
+
+    def result(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class DecodeGraphs:
     """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
     slots to a power of two of at least 64, and whether every row's top_k is within TOP_K, so that only
@@ -511,9 +561,10 @@ class DecodeGraphs:
         n, dev = engine.config.max_batch, engine.device
         self.ids = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.settings = torch.zeros((n, 4), dtype=torch.float32, device=dev)
-        # pinned, so each step's inputs go over asynchronously (the previous copy has finished: every
-        # step ends by reading the sampled ids back)
-        self.host = torch.zeros((n, 5), dtype=torch.float32).pin_memory()
+        # pinned, so each step's inputs go over asynchronously; two, taken in turn: a step launched
+        # ahead fills one while the copy out of the other may still wait behind the running step
+        self.hosts = [torch.zeros((n, 5), dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.turn = 0
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         if compile_blocks:
@@ -527,16 +578,25 @@ class DecodeGraphs:
     # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
     TOP_K = 256
 
-    def step(self, ids: list[int], settings: list[list[float]], kv_len: int) -> list[int]:
+    def step(self, ids: "list[int] | torch.Tensor", settings: list[list[float]], kv_len: int) -> torch.Tensor:
+        """Replay the step's graph; returns the sampled ids (on the device, valid until the next replay
+        of the same graph: `_Step` copies them out first)."""
         e = self.engine
-        n = len(ids)
+        n = len(settings)
         rows = min(self._pow2(n), e.config.max_batch)
         slots = min(self._pow2(kv_len, 64), e.max_len)
         k_max = self.TOP_K if all(0 < s[1] <= self.TOP_K for s in settings) else 0
-        self.host[:n, 0] = torch.tensor(ids, dtype=torch.float32)  # ids < 2**24: exact in fp32
-        self.host[:n, 1:] = torch.tensor(settings, dtype=torch.float32)
-        staged = self.host[:n].to(e.device, non_blocking=True)
-        self.ids[:n, 0] = staged[:, 0].long()
+        host = self.hosts[self.turn]
+        self.turn ^= 1
+        if torch.is_tensor(ids):  # the previous step's sampled ids, still on the device
+            self.ids[:n, 0].copy_(ids)
+            host[:n, 0] = 0
+        else:
+            host[:n, 0] = torch.tensor(ids, dtype=torch.float32)  # ids < 2**24: exact in fp32
+        host[:n, 1:] = torch.tensor(settings, dtype=torch.float32)
+        staged = host[:n].to(e.device, non_blocking=True)
+        if not torch.is_tensor(ids):
+            self.ids[:n, 0] = staged[:, 0].long()
         self.settings[:n] = staged[:, 1:]
         if rows > n:
             e.cache.lengths[n:rows].zero_()
@@ -545,7 +605,7 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(*key)
         graph, out = self.graphs[key]
         graph.replay()
-        return out[:n].tolist()
+        return out[:n]
 
     def warmup(self) -> None:
         """Compile the blocks for prefill shapes and capture every decode bucket now, so that no

@@ -282,3 +282,35 @@ def test_long_prompts_prefill_in_chunks_with_the_same_ids():
     finally:
         chunked.shutdown()
     assert [box[0], box[1]] == want
+
+
+def test_running_ahead_changes_no_token():
+    """With `run_ahead` the next decode step starts from the last step's sampled ids before the host
+    has read them (as on CUDA); every request still gets the ids of the plain path: stops, lengths,
+    tool calls with forced ids, and seeded sampling, all in one batch."""
+    PS, PE, OS, OE, END = 20, 21, 22, 23, 2
+    table = {1: PS, PS: 10, 10: 11, 11: PE, PE: 3, OE: END, 3: 4, 4: 5, 5: 6, 6: 7, 7: END, 8: 9, 9: 8}
+
+    def run(run_ahead: bool):
+        m = ScriptModel(table)
+        e = Engine(m, EngineConfig(max_batch=4, stop_ids=(END,), tool_start=PS, tool_end=PE, run_ahead=run_ahead),
+                   tool=lambda expr: [OS, 9, OE]).start()
+        try:
+            box, threads = {}, []
+            jobs = [([1], SamplingParams(temperature=0, max_tokens=20)), ([3], SamplingParams(temperature=0, max_tokens=20)),
+                    ([8], SamplingParams(temperature=0, max_tokens=7)), ([5], SamplingParams(temperature=1.0, seed=4, max_tokens=9))]  # one-id prompts: ScriptModel reads the last column
+            for k, (prompt, params) in enumerate(jobs):
+                t = threading.Thread(target=lambda k=k, prompt=prompt, params=params:
+                                     box.__setitem__(k, e.generate(prompt, params)))
+                threads.append(t)
+                t.start()
+            for t in threads:
+                t.join(10)
+        finally:
+            e.shutdown()
+        return {k: (ids, fin.reason) for k, (ids, fin) in box.items()}, e.steps_ahead
+
+    plain, none_ahead = run(False)
+    ahead, launched_ahead = run(True)
+    assert ahead == plain and len(plain) == 4
+    assert none_ahead == 0 and launched_ahead > 0

@@ -54,8 +54,8 @@ def generate_all(engine, ps, params_for):
 def test_graphs_give_the_eager_greedy_ids():
     model = gpu_model()
     greedy = lambda i: SamplingParams(temperature=0.0, max_tokens=32)  # noqa: E731
-    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, prefill_chunk=10_000)).start()
-    try:  # the reference: one request at a time, whole prompts, no graphs
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, run_ahead=False, prefill_chunk=10_000)).start()
+    try:  # the reference: one request at a time, whole prompts, no graphs, no step launched ahead
         want = [generate_all(eager, [p], greedy)[0] for p in prompts()]
     finally:
         eager.shutdown()
