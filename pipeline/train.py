@@ -36,15 +36,15 @@ from sparkchat import paths
 
 from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
-from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
+from .data import ChatBatches, TokenStream, open_tokens
 from .metrics import TSVLog, write_json
 
 M = paths.MODEL_DIRS
 STAGES = {
-    # stage: (initial model dir or None, train data, val data, output model dir)
-    "pretrain": (None, paths.PRETRAIN_TRAIN, paths.PRETRAIN_VAL, M["pretrain"]),
-    "midtrain": (M["pretrain"], paths.MID_TRAIN, paths.CHAT_VAL, M["midtrain"]),
-    "sft": (M["midtrain"], paths.SFT_TRAIN, paths.CHAT_VAL, M["sft"]),
+    # stage: (initial model dir or None, train tokens, val tokens, output model dir)
+    "pretrain": (None, paths.PRETRAIN_TRAIN_TOKENS, paths.PRETRAIN_VAL_TOKENS, M["pretrain"]),
+    "midtrain": (M["pretrain"], paths.MID_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["midtrain"]),
+    "sft": (M["midtrain"], paths.SFT_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["sft"]),
 }
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
@@ -136,16 +136,15 @@ def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
     return model
 
 
-def make_batches(stage: str, path: Path, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
-    text = stage == "pretrain"
-    if text or stage == "midtrain":
-        tokens = tokenize_texts(tok, read_texts(path)) if text \
-            else tokenize_conversations(tok, read_conversations(path))
+def make_batches(stage: str, split: Path, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world, device=None):
+    """Batches of one token split (memory-mapped: nothing is tokenized or loaded here)."""
+    tokens = open_tokens(split, tok)
+    if stage in ("pretrain", "midtrain"):
         # a small validation split may hold fewer rows than a training batch: use what there is
-        rows = min(t.device_batch, max(1, (len(tokens) - 1) // (seq_len * world)))
-        return TokenStream(tokens, rows if "val" in path.name else t.device_batch, seq_len, rank, world)
-    convs = read_conversations(path)
-    return ChatBatches(tok, convs, t.device_batch, seq_len, pad_fixed, seed=t.seed, rank=rank, world=world)
+        rows = min(t.device_batch, max(1, (len(tokens.ids) - 1) // (seq_len * world)))
+        return TokenStream(tokens.ids, rows if "val" in split.name else t.device_batch, seq_len, rank, world, device)
+    return ChatBatches(tokens, tok.special["<|assistant_end|>"], t.device_batch, seq_len, pad_fixed, seed=t.seed,
+                       rank=rank, world=world)
 
 
 def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int) -> int:
@@ -178,15 +177,16 @@ def train(stage: str, p: Params) -> dict:
     log(backend.describe(device))
     use_compile = device.type == "cuda" and backend.supports_compile and p.runtime.compile != "off" \
         or p.runtime.compile == "on"
-    train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world)
-    val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world)
+    train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world, device)
+    val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world, device)
     tokens_per_micro = t.device_batch * seq_len * world
     grad_accum = max(1, t.total_batch_tokens // tokens_per_micro)
     steps = total_steps(stage, t, model, train_batches, grad_accum)
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
 
     ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
-    inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
+    # the token indexes hold each token file's sha256: hashing them stands for hashing the files
+    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
     ckpt, msg = load_checkpoint(ckpt_path, fp)
