@@ -71,7 +71,8 @@ class DataParams:
     pretrain_tokens: int = 0
     """Pretraining text prepare reads, in tokens (train + val): the sources are read in order until it
     is in. 0 = derive: what pretrain consumes (its steps, or param_data_ratio x the model's matmul
-    params) x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
+    params), at least the tokenizer's train_chars and enough validation text for pretrain.eval_tokens,
+    x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
     val_fraction: float = 0.05
     synthetic_train: int = 24000
     """Generated training conversations (arithmetic, spelling, facts, identity, multiple choice)."""

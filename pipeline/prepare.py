@@ -96,14 +96,16 @@ def _matmul_params(p: Params) -> int:
 
 
 def pretrain_token_budget(p: Params) -> int:
-    """Tokens of pretraining text (train + val) prepare reads: `data.pretrain_tokens`, or what pretrain
-    consumes (pretrain.steps x total_batch_tokens, else param_data_ratio x matmul params, as
-    pipeline/train.py counts it) x BUDGET_MARGIN, plus the validation share."""
+    """Tokens of pretraining text (train + val) prepare reads: `data.pretrain_tokens`, or else enough
+    for what pretrain consumes (pretrain.steps x total_batch_tokens, else param_data_ratio x matmul
+    params, as pipeline/train.py counts it), for the tokenizer's training text and for pretrain's
+    validation (eval_tokens in the val share), x BUDGET_MARGIN."""
     if p.data.pretrain_tokens:
         return p.data.pretrain_tokens
-    t = p.pretrain
+    t, vf = p.pretrain, p.data.val_fraction
     train = t.steps * t.total_batch_tokens if t.steps else t.param_data_ratio * _matmul_params(p)
-    return math.ceil(BUDGET_MARGIN * train / (1 - p.data.val_fraction))
+    train = max(train, p.tokenizer.train_chars / ASSUMED_CHARS_PER_TOKEN)
+    return math.ceil(BUDGET_MARGIN * max(train / (1 - vf), t.eval_tokens / vf))
 
 
 class ShardWriter:

@@ -72,8 +72,6 @@ class TokenFile:
 def _start(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / INDEX).unlink(missing_ok=True)  # first: from here on the folder reads as incomplete
-    for old in folder.glob("*.bin"):
-        old.unlink()
 
 
 def _finish(folder: Path, tok: SparkTokenizer, splits: dict) -> None:
