@@ -20,7 +20,9 @@ import itertools
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -87,6 +89,20 @@ def with_bos(encoded: list[list[int]], bos: int, dtype) -> np.ndarray:
     return np.insert(flat, starts, np.asarray(bos, dtype=dtype))
 
 
+def _encoded(tok: SparkTokenizer, batches: Iterator[list[str]]) -> Iterator[tuple[list[str], list[list[int]]]]:
+    """(texts, ids) per batch, in order; the next batch encodes (in Rust, without the GIL) while the
+    caller packs and writes this one, so no core waits on the Python between batches."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for texts in batches:
+            job = (texts, pool.submit(tok.encode_batch, texts))
+            if pending:
+                yield pending[0], pending[1].result()
+            pending = job
+        if pending:
+            yield pending[0], pending[1].result()
+
+
 def tokenize_pretrain(tok: SparkTokenizer, shards: Path, out: Path) -> dict:
     """prepare's train/val shards -> <out>/train.ids.bin, val.ids.bin + index.json."""
     shard_index = read_shard_index(shards)
@@ -99,8 +115,8 @@ def tokenize_pretrain(tok: SparkTokenizer, shards: Path, out: Path) -> dict:
         for split in ("train", "val"):
             f = TokenFile(out / f"{split}.ids.bin", dtype)
             docs = tokens = 0
-            for texts in iter_shard_batches(shards, split):
-                arr = with_bos(tok.encode_batch(texts), tok.bos_id, dtype)
+            for texts, encoded in _encoded(tok, iter_shard_batches(shards, split)):
+                arr = with_bos(encoded, tok.bos_id, dtype)
                 f.write(arr)
                 docs, tokens = docs + len(texts), tokens + len(arr)
                 bar.update(sum(len(t.encode("utf-8")) for t in texts))
