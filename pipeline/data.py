@@ -34,6 +34,9 @@ import torch
 
 IGNORE = -1
 INDEX = "index.json"
+# characters of text handed to the encoder at once: its encodings take ~150 bytes a token, so ~2 MB
+# of text is a few hundred MB, and still hundreds of documents for every core to share
+BATCH_CHARS = 2 << 20
 
 
 class DataError(ValueError):
@@ -54,11 +57,22 @@ def pretrain_shard_files(folder: Path, split: str) -> list[str]:
     return [s["file"] for s in read_shard_index(folder)[split]["shards"]]
 
 
-def iter_shard_batches(folder: Path, split: str) -> Iterator[list[str]]:
-    """The documents of one split, a row group (a bounded list of texts) at a time, in order."""
+def iter_shard_batches(folder: Path, split: str, max_chars: int = BATCH_CHARS) -> Iterator[list[str]]:
+    """The documents of one split in order, in lists of about `max_chars` characters: one row group is
+    read at a time (pyarrow's iter_batches would join row groups up to its row count), then cut, so
+    what the encoder holds at once stays small whatever the shard size."""
     for name in pretrain_shard_files(folder, split):
-        for batch in pq.ParquetFile(folder / name).iter_batches(batch_size=1 << 20, columns=["text"]):
-            yield batch.column("text").to_pylist()
+        pf = pq.ParquetFile(folder / name)
+        for g in range(pf.num_row_groups):
+            batch, n = [], 0
+            for text in pf.read_row_group(g, columns=["text"]).column("text").to_pylist():
+                batch.append(text)
+                n += len(text)
+                if n >= max_chars:
+                    yield batch
+                    batch, n = [], 0
+            if batch:
+                yield batch
 
 
 def shard_texts(folder: Path, split: str) -> Iterator[str]:

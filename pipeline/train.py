@@ -149,11 +149,17 @@ def make_batches(stage: str, split: Path, tok, p: Params, t: TrainParams, seq_le
 
 def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int) -> int:
     if t.steps:
-        return t.steps
-    if stage == "pretrain":
+        steps = t.steps
+    elif stage == "pretrain":
         matmul_params = model.num_params() - model.wte.weight.numel()
-        return steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
-    return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
+        steps = steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
+    else:
+        return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
+    passes = steps * grad_accum / batches.micro_steps_per_epoch
+    if stage == "pretrain" and passes > 1:  # prepare's token budget guessed the characters per token low
+        log(f"pretrain: the token files hold {passes:.2f}x fewer tokens than {steps} steps read: the text repeats "
+            f"(raise data.pretrain_tokens)")
+    return steps
 
 
 def train(stage: str, p: Params) -> dict:
