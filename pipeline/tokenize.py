@@ -18,6 +18,7 @@ import errno
 import hashlib
 import itertools
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,8 @@ class TokenFile:
 
     def close(self) -> dict:
         try:
+            self._f.flush()
+            os.fsync(self._f.fileno())  # on disk before the index says so (a power cut, not just a kill)
             self._f.close()
         except OSError as e:
             self._fail(e)

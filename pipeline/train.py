@@ -157,7 +157,7 @@ def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int
         return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
     passes = steps * grad_accum / batches.micro_steps_per_epoch
     if stage == "pretrain" and passes > 1:  # prepare's token budget guessed the characters per token low
-        log(f"pretrain: the token files hold {passes:.2f}x fewer tokens than {steps} steps read: the text repeats "
+        log(f"pretrain: {steps} steps read {passes:.2f}x the tokens in the token files, so the text repeats "
             f"(raise data.pretrain_tokens)")
     return steps
 
@@ -192,7 +192,8 @@ def train(stage: str, p: Params) -> dict:
 
     ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
     # the token indexes hold each token file's sha256: hashing them stands for hashing the files
-    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
+    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER] \
+        + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model), "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
     ckpt, msg = load_checkpoint(ckpt_path, fp)
