@@ -6,8 +6,9 @@
     index.json in each folder    dtype, tokenizer vocabulary and <|bos|>, per split its documents,
                                  tokens and each file's size and sha256; written last
 
-(file formats: pipeline/data.py; paths: sparkchat.paths). The pretraining text is encoded a row group
-at a time with the `tokenizers` library's batch encoder, which runs on every core in Rust. Each folder's
+(file formats: pipeline/data.py; paths: sparkchat.paths). The pretraining text is encoded ~2 MB at a
+time with the `tokenizers` library's batch encoder, which runs on every core in Rust; conversations are
+rendered in worker processes, one per core, when there are many. Each folder's
 index is deleted first and written last (atomically), so a killed or failed stage (a full disk
 included) never leaves token files that a training stage would take for complete. The same inputs give
 the same bytes.
@@ -18,9 +19,11 @@ import errno
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -129,6 +132,42 @@ def tokenize_pretrain(tok: SparkTokenizer, shards: Path, out: Path) -> dict:
     return splits
 
 
+POOL_MIN_CONVERSATIONS = 20_000  # fewer: rendering in-process beats starting worker processes
+CONVERSATIONS_PER_TASK = 1024
+_worker_tok: SparkTokenizer | None = None
+
+
+def _init_worker(tok: SparkTokenizer) -> None:
+    global _worker_tok
+    _worker_tok = tok
+
+
+def _render_batch(messages: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """JSON conversations -> (ids, loss mask, lengths), rendered by model/chat.py."""
+    rendered = [render(_worker_tok, json.loads(m)) for m in messages]
+    return (np.fromiter(itertools.chain.from_iterable(r[0] for r in rendered), token_dtype(_worker_tok.vocab_size)),
+            np.fromiter(itertools.chain.from_iterable(r[1] for r in rendered), np.uint8),
+            np.fromiter((len(r[0]) for r in rendered), np.int64, count=len(rendered)))
+
+
+def _rendered(tok: SparkTokenizer, batches: Iterator[list[str]], total: int) -> Iterator[tuple]:
+    """_render_batch over the batches, in order: in worker processes (one per core) when there are many
+    conversations (rendering is Python, one core each), at most two tasks per worker in flight."""
+    workers = os.cpu_count() or 1
+    if total < POOL_MIN_CONVERSATIONS or workers < 2:
+        _init_worker(tok)
+        yield from map(_render_batch, batches)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok,)) as pool:
+        window: deque = deque()
+        for batch in batches:
+            window.append(pool.apply_async(_render_batch, (batch,)))
+            if len(window) >= 2 * workers:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+
+
 def tokenize_conversations(tok: SparkTokenizer, sources: dict[str, Path], out: Path) -> dict:
     """Conversation parquet files (column `messages`) -> per split <name>.ids/.mask/.offsets.bin + index.json."""
     _start(out)
@@ -139,17 +178,16 @@ def tokenize_conversations(tok: SparkTokenizer, sources: dict[str, Path], out: P
                  "offsets": TokenFile(out / f"{name}.offsets.bin", np.int64)}
         files["offsets"].write(np.zeros(1, np.int64))
         pf = pq.ParquetFile(path)
+        batches = (b.column("messages").to_pylist()
+                   for b in pf.iter_batches(batch_size=CONVERSATIONS_PER_TASK, columns=["messages"]))
         docs = tokens = 0
         with tqdm(total=pf.metadata.num_rows, desc=f"tokenize {name}", unit="conv", file=sys.stderr, mininterval=2.0) as bar:
-            for batch in pf.iter_batches(columns=["messages"]):
-                rendered = [render(tok, json.loads(m)) for m in batch.column("messages").to_pylist()]
-                files["ids"].write(np.fromiter(itertools.chain.from_iterable(r[0] for r in rendered), dtype))
-                files["mask"].write(np.fromiter(itertools.chain.from_iterable(r[1] for r in rendered), np.uint8))
-                ends = tokens + np.cumsum([len(r[0]) for r in rendered], dtype=np.int64)
-                files["offsets"].write(ends)
-                docs += len(rendered)
-                tokens = int(ends[-1]) if len(ends) else tokens
-                bar.update(len(rendered))
+            for ids, mask, lengths in _rendered(tok, batches, pf.metadata.num_rows):
+                files["ids"].write(ids)
+                files["mask"].write(mask)
+                files["offsets"].write(tokens + np.cumsum(lengths))
+                docs, tokens = docs + len(lengths), tokens + len(ids)
+                bar.update(len(lengths))
         splits[name] = {"docs": docs, "tokens": tokens, "files": {k: f.close() for k, f in files.items()}}
     _finish(out, tok, splits)
     return splits

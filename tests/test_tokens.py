@@ -105,6 +105,18 @@ def test_tokenize_matches_the_renderer_and_is_deterministic(project, tmp_path):
     assert digest(root / paths.TOKENS) == first and len(first) == 3 + 1 + 3 * 3
 
 
+def test_conversations_render_alike_in_worker_processes(project, tmp_path, monkeypatch):
+    root, _, _, _, tok = project
+    from pipeline import tokenize
+    sources = {"sft_train": root / paths.SFT_TRAIN}
+    tokenize.tokenize_conversations(tok, sources, tmp_path / "one")
+    monkeypatch.setattr(tokenize, "POOL_MIN_CONVERSATIONS", 0)
+    monkeypatch.setattr(tokenize, "CONVERSATIONS_PER_TASK", 16)  # many tasks, in flight at once
+    tokenize.tokenize_conversations(tok, sources, tmp_path / "pool")
+    for name in ("sft_train.ids.bin", "sft_train.mask.bin", "sft_train.offsets.bin", "index.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "pool" / name).read_bytes(), name
+
+
 def test_a_failed_tokenize_leaves_no_index(project, tmp_path):
     """A stage that dies mid-way (here: a damaged second shard) leaves token files that nothing reads."""
     root, _, _, _, tok = project
