@@ -163,7 +163,12 @@ def prepare_pretrain(p: Params, folder: Path, shard_chars: int = SHARD_CHARS, gr
     writers = {"train": ShardWriter(folder, "train", shard_chars, group_chars),
                "val": ShardWriter(folder, "val", shard_chars, group_chars)}
     chars, empty, read = 0, 0, {}
-    bar = tqdm(total=round(budget_chars), desc="prepare", unit="B", unit_scale=True, file=sys.stderr, mininterval=2.0)
+    # the bar's end: the budget, or the local sources' size on disk when that is smaller (an estimate:
+    # JSON and parquet framing count too)
+    local = [Path(s) for s in d.pretrain_sources if not s.startswith(("hub:", "builtin:"))]
+    on_disk = sum(f.stat().st_size for q in local if q.exists() for f in ([q] if q.is_file() else q.rglob("*.txt")))
+    total = min(budget_chars, on_disk) if len(local) == len(d.pretrain_sources) else budget_chars
+    bar = tqdm(total=round(total), desc="prepare", unit="B", unit_scale=True, file=sys.stderr, mininterval=2.0)
     for src in d.pretrain_sources:
         read[src] = 0
         for doc in iter_documents(src, d.text_field, d.hub_split, d.max_docs_per_source):
