@@ -28,9 +28,9 @@ from tqdm import tqdm
 from . import synthetic
 from sparkchat import paths
 
-from .config import Params, load_params
+from .config import ConfigError, Params, load_params
 from .metrics import write_json
-from .sources import iter_conversations, iter_documents
+from .sources import SourceError, iter_conversations, iter_documents
 
 CHUNK_CHARS = 4000
 MAX_PARAGRAPH_CHARS = 1 << 20   # a longer paragraph (one huge line) is cut every this many characters
@@ -244,8 +244,10 @@ def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None, shar
 
 
 def main(argv=None) -> None:
-    p = load_params()
-    stats = prepare(p, metrics=paths.metrics_file("prepare"))
+    try:
+        stats = prepare(load_params(), metrics=paths.metrics_file("prepare"))
+    except (ConfigError, SourceError) as e:
+        raise SystemExit(f"prepare: {e}") from None
     print(f"prepare: {stats['pretrain_train_chars']:,} train chars in {stats['pretrain_train_docs']} pieces, "
           f"{stats['pretrain_val_chars']:,} val chars ({stats['pretrain_shards']} shards; token budget "
           f"{'reached' if stats['pretrain_budget_reached'] else 'not reached: the sources ran out'}; "

@@ -36,7 +36,7 @@ from model.chat import render
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
-from .data import INDEX, iter_shard_batches, read_shard_index, token_dtype
+from .data import INDEX, DataError, iter_shard_batches, read_shard_index, token_dtype
 from .metrics import write_json
 
 
@@ -211,10 +211,12 @@ def tokenize_all(tok: SparkTokenizer, root: Path = Path(".")) -> dict:
 
 
 def main(argv=None) -> None:
+    if not paths.TOKENIZER.is_file():
+        raise SystemExit(f"tokenize: {paths.TOKENIZER} is missing; run the tokenizer stage (dvc repro tokenizer)")
     tok = SparkTokenizer.load(paths.TOKENIZER)
     try:
         stats = tokenize_all(tok)
-    except TokenizeError as e:
+    except (TokenizeError, DataError) as e:
         raise SystemExit(f"tokenize: {e}") from None
     write_json(paths.metrics_file("tokenize"), stats)
     print(f"tokenize: {stats['pretrain_train_tokens']:,} train / {stats['pretrain_val_tokens']:,} val tokens of text "
