@@ -36,7 +36,7 @@ from sparkchat import paths
 
 from .checkpoint import fingerprint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
-from .data import ChatBatches, TokenStream, open_tokens
+from .data import ChatBatches, DataError, TokenStream, open_tokens
 from .metrics import TSVLog, write_json
 
 M = paths.MODEL_DIRS
@@ -306,5 +306,5 @@ def main(stage: str) -> None:
                    f"--nproc_per_node={p.runtime.nproc}", "-m", f"pipeline.{stage}"]
             raise SystemExit(subprocess.call(cmd))
         train(stage, p)
-    except (ConfigError, BackendUnavailable) as e:
+    except (ConfigError, BackendUnavailable, DataError) as e:
         raise SystemExit(f"{stage}: {e}") from None
