@@ -66,6 +66,16 @@ def test_prepare_streams_into_bounded_shards(project):
     assert stats["pretrain_train_docs"] == len(got_train) and not stats["pretrain_budget_reached"]
 
 
+def test_prepare_is_deterministic(project, tmp_path):
+    root, _, p, _, _ = project
+    prepare(p, tmp_path / "data", shard_chars=300_000, group_chars=60_000)
+    first, again = root / paths.PRETRAIN_SHARDS, tmp_path / "data" / paths.PRETRAIN_SHARDS.relative_to(paths.DATA)
+    names = sorted(f.name for f in first.iterdir())
+    assert names == sorted(f.name for f in again.iterdir()) and len(names) > 3
+    for name in names:
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
+
+
 def test_prepare_stops_at_the_token_budget(tmp_path, project):
     corpus = project[1]
     p = small_params(corpus, pretrain_tokens=50_000)
