@@ -70,7 +70,12 @@ class DataParams:
     """Column holding the text in local/hub text sources."""
     hub_split: str = "train"
     max_docs_per_source: int = 0
-    """Cap on documents/conversations read from each source (0 = all; hub sources need a cap)."""
+    """Cap on documents/conversations read from each source (0 = all; hub chat sources need a cap)."""
+    pretrain_tokens: int = 0
+    """Pretraining text prepare reads, in tokens (train + val): the sources are read in order until it
+    is in. 0 = derive: what pretrain consumes (its steps, or param_data_ratio x the model's matmul
+    params), at least the tokenizer's train_chars and enough validation text for pretrain.eval_tokens,
+    x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
     val_fraction: float = 0.05
     synthetic_train: int = 24000
     """Generated training conversations (arithmetic, spelling, facts, identity, multiple choice)."""
@@ -83,10 +88,10 @@ class DataParams:
             raise ConfigError(f"{key}.pretrain_sources must name at least one source")
         if not 0.0 < self.val_fraction < 0.5:
             raise ConfigError(f"{key}.val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        for name in ("max_docs_per_source", "synthetic_train", "synthetic_eval"):
+        for name in ("max_docs_per_source", "synthetic_train", "synthetic_eval", "pretrain_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{key}.{name} must be >= 0")
-        for src in self.pretrain_sources + self.chat_sources:
+        for src in self.chat_sources:  # text sources stop at the token budget; conversations need a cap
             if src.startswith("hub:") and self.max_docs_per_source == 0:
                 raise ConfigError(f"{key}.max_docs_per_source must be > 0 when streaming hub source '{src}'")
 
@@ -388,7 +393,7 @@ def load_params(path: str | Path = "params.yaml", stage: str | None = None) -> P
 # `sparkchat.paths.stage_params(stage)`, which is that stage's dependency in dvc.yaml: a change to
 # params.yaml or to the selected profile re-runs exactly the stages whose values it changes.
 STAGE_SECTIONS = {
-    "prepare": ("data",),
+    "prepare": ("data", "model", "tokenizer", "pretrain"),  # model and pretrain size the token budget
     "tokenizer": ("tokenizer",),
     "pretrain": ("model", "precision", "runtime", "pretrain"),
     "midtrain": ("precision", "runtime", "midtrain"),

@@ -31,7 +31,7 @@ from model.model_dir import ModelDirError, load_model_dir
 from sparkchat import paths
 
 from .config import Params, load_params
-from .data import read_texts, tokenize_texts, TokenStream
+from .data import TokenStream, open_tokens
 from .metrics import atomic_write_text, write_json
 from .sources import open_dataset
 from .runtime import resolve_device
@@ -123,7 +123,7 @@ def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
     model, tok, gen = load_model_dir(path, device=device)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
-    val = TokenStream(tokenize_texts(tok, read_texts(paths.PRETRAIN_VAL)), 8, seq_len)
+    val = TokenStream(open_tokens(paths.PRETRAIN_VAL_TOKENS, tok).ids, 8, seq_len)
     n_batches = max(1, min(16, val.micro_steps_per_epoch))
     scores["val_bpb"] = round(evaluate_bpb(model, val, n_batches, token_bytes(tok, device), device,
                                            torch.no_grad()), 4)

@@ -2,6 +2,7 @@
 save it (`sparkchat.paths.TOKENIZER`) and report compression (bytes per token) on validation text."""
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -15,25 +16,28 @@ from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
 from .config import Params, load_params
+from .data import shard_texts
 from .metrics import write_json
 
+REPORT_DOCS = 2000  # validation documents the compression report encodes (a fixed sample, not all of them)
 
 
 def training_text(data: Path, max_chars: int) -> Iterator[str]:
     """Pretraining text first, then chat turns, until max_chars (chat is ~10% of the budget)."""
     budget_text, budget_chat = int(max_chars * 0.9), max_chars - int(max_chars * 0.9)
-    for t in pq.read_table(data / "pretrain_train.parquet", columns=["text"]).column("text").to_pylist():
+    for t in shard_texts(data / paths.PRETRAIN_SHARDS.relative_to(paths.DATA), "train"):
         if budget_text <= 0:
             break
         yield t[:budget_text]
         budget_text -= len(t)
-    for m in pq.read_table(data / "mid_train.parquet", columns=["messages"]).column("messages").to_pylist():
-        if budget_chat <= 0:
-            break
-        for turn in json.loads(m):
-            text = content_text(turn["content"]) if turn["content"] else ""
-            budget_chat -= len(text)
-            yield text
+    for batch in pq.ParquetFile(data / paths.MID_TRAIN.name).iter_batches(columns=["messages"]):
+        for m in batch.column("messages").to_pylist():
+            if budget_chat <= 0:
+                return
+            for turn in json.loads(m):
+                text = content_text(turn["content"]) if turn["content"] else ""
+                budget_chat -= len(text)
+                yield text
 
 
 def bytes_per_token(tok: SparkTokenizer, texts: list[str]) -> float:
@@ -47,7 +51,7 @@ def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENI
     tok = SparkTokenizer.train(training_text(data, p.tokenizer.train_chars), p.tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(out / "tokenizer.json")
-    val = pq.read_table(data / "pretrain_val.parquet", columns=["text"]).column("text").to_pylist()
+    val = list(itertools.islice(shard_texts(data / paths.PRETRAIN_SHARDS.relative_to(paths.DATA), "val"), REPORT_DOCS))
     report = {"vocab_size": tok.vocab_size, "val_bytes_per_token": round(bytes_per_token(tok, val), 4)}
     write_json(report_file or out / "report.json", report)
     return report

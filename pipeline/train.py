@@ -37,16 +37,16 @@ from sparkchat import paths
 
 from .checkpoint import fingerprint, load_checkpoint, remove_checkpoints, save_checkpoint, set_rng_state
 from .config import Params, TrainParams, n_kv_head, steps_for_tokens
-from .data import ChatBatches, TokenStream, read_conversations, read_texts, tokenize_conversations, tokenize_texts
+from .data import ChatBatches, DataError, TokenStream, open_tokens
 from .metrics import TSVLog, write_json
 from .runtime import log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
 STAGES = {
-    # stage: (initial model dir or None, train data, val data, output model dir)
-    "pretrain": (None, paths.PRETRAIN_TRAIN, paths.PRETRAIN_VAL, M["pretrain"]),
-    "midtrain": (M["pretrain"], paths.MID_TRAIN, paths.CHAT_VAL, M["midtrain"]),
-    "sft": (M["midtrain"], paths.SFT_TRAIN, paths.CHAT_VAL, M["sft"]),
+    # stage: (initial model dir or None, train tokens, val tokens, output model dir)
+    "pretrain": (None, paths.PRETRAIN_TRAIN_TOKENS, paths.PRETRAIN_VAL_TOKENS, M["pretrain"]),
+    "midtrain": (M["pretrain"], paths.MID_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["midtrain"]),
+    "sft": (M["midtrain"], paths.SFT_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["sft"]),
 }
 CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256). A killed stage "
                    "resumes from them on the next `dvc repro`; a finished one removes them.\n")
@@ -85,25 +85,30 @@ def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
     return model
 
 
-def make_batches(stage: str, path: Path, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world):
-    text = stage == "pretrain"
-    if text or stage == "midtrain":
-        tokens = tokenize_texts(tok, read_texts(path)) if text \
-            else tokenize_conversations(tok, read_conversations(path))
+def make_batches(stage: str, split: Path, tok, p: Params, t: TrainParams, seq_len, pad_fixed, rank, world, device=None):
+    """Batches of one token split (memory-mapped: nothing is tokenized or loaded here)."""
+    tokens = open_tokens(split, tok)
+    if stage in ("pretrain", "midtrain"):
         # a small validation split may hold fewer rows than a training batch: use what there is
-        rows = min(t.device_batch, max(1, (len(tokens) - 1) // (seq_len * world)))
-        return TokenStream(tokens, rows if "val" in path.name else t.device_batch, seq_len, rank, world)
-    convs = read_conversations(path)
-    return ChatBatches(tok, convs, t.device_batch, seq_len, pad_fixed, seed=t.seed, rank=rank, world=world)
+        rows = min(t.device_batch, max(1, (len(tokens.ids) - 1) // (seq_len * world)))
+        return TokenStream(tokens.ids, rows if "val" in split.name else t.device_batch, seq_len, rank, world, device)
+    return ChatBatches(tokens, tok.special["<|assistant_end|>"], t.device_batch, seq_len, pad_fixed, seed=t.seed,
+                       rank=rank, world=world)
 
 
 def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int) -> int:
     if t.steps:
-        return t.steps
-    if stage == "pretrain":
+        steps = t.steps
+    elif stage == "pretrain":
         matmul_params = model.num_params() - model.wte.weight.numel()
-        return steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
-    return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
+        steps = steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
+    else:
+        return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
+    passes = steps * grad_accum / batches.micro_steps_per_epoch
+    if stage == "pretrain" and passes > 1:  # prepare's token budget guessed the characters per token low
+        log(f"pretrain: {steps} steps read {passes:.2f}x the tokens in the token files, so the text repeats "
+            f"(raise data.pretrain_tokens)")
+    return steps
 
 
 def train(stage: str, p: Params) -> dict:
@@ -126,8 +131,8 @@ def train(stage: str, p: Params) -> dict:
     log(backend.describe(device))
     use_compile = device.type == "cuda" and backend.supports_compile and p.runtime.compile != "off" \
         or p.runtime.compile == "on"
-    train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world)
-    val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world)
+    train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world, device)
+    val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world, device)
     tokens_per_micro = t.device_batch * seq_len * world
     grad_accum = max(1, t.total_batch_tokens // tokens_per_micro)
     steps = total_steps(stage, t, model, train_batches, grad_accum)
@@ -138,7 +143,9 @@ def train(stage: str, p: Params) -> dict:
     # folder (which DVC warns about) once a finished stage has removed its checkpoints
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
-    inputs = [train_file, val_file, paths.TOKENIZER] + ([init_dir / "model.safetensors"] if init_dir else [])
+    # the token indexes hold each token file's sha256: hashing them stands for hashing the files
+    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER] \
+        + ([init_dir / "model.safetensors"] if init_dir else [])
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
                       "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
@@ -256,5 +263,5 @@ def main(stage: str) -> None:
                    f"--nproc_per_node={p.runtime.nproc}", "-m", f"pipeline.{stage}"]
             raise SystemExit(subprocess.call(cmd))
         train(stage, p)
-    except (ConfigError, BackendUnavailable, ModelDirError) as e:
+    except (ConfigError, BackendUnavailable, ModelDirError, DataError) as e:
         raise SystemExit(f"{stage}: {e}") from None

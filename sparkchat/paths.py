@@ -15,14 +15,27 @@ ARTIFACTS = Path("artifacts")
 REPORTS = Path("reports")
 
 DATA = ARTIFACTS / "data"
-PRETRAIN_TRAIN = DATA / "pretrain_train.parquet"
-PRETRAIN_VAL = DATA / "pretrain_val.parquet"
+# prepare's pretraining text: parquet shards train_00000.parquet ..., val_00000.parquet ... and an
+# index.json written last (shards, documents, characters)
+PRETRAIN_SHARDS = DATA / "pretrain"
 MID_TRAIN = DATA / "mid_train.parquet"
 SFT_TRAIN = DATA / "sft_train.parquet"
 CHAT_VAL = DATA / "chat_val.parquet"
 EVAL_ITEMS = DATA / "eval"
 
 TOKENIZER = ARTIFACTS / "tokenizer" / "tokenizer.json"
+
+# the tokenize stage's flat token files, read by memory map. A split is named by a path prefix:
+# <prefix>.ids.bin (+ .mask.bin and .offsets.bin for conversations), described by the index.json
+# beside it, which is written last: token files without a matching index are refused.
+TOKENS = ARTIFACTS / "tokens"
+PRETRAIN_TOKENS = TOKENS / "pretrain"
+CHAT_TOKENS = TOKENS / "chat"
+PRETRAIN_TRAIN_TOKENS = PRETRAIN_TOKENS / "train"
+PRETRAIN_VAL_TOKENS = PRETRAIN_TOKENS / "val"
+MID_TRAIN_TOKENS = CHAT_TOKENS / "mid_train"
+SFT_TRAIN_TOKENS = CHAT_TOKENS / "sft_train"
+CHAT_VAL_TOKENS = CHAT_TOKENS / "chat_val"
 
 TRAIN_STAGES = ("pretrain", "midtrain", "sft")
 # the model directory each training stage writes; sft's is the chat model everything serves
@@ -41,6 +54,11 @@ def stage_params(stage: str) -> Path:
 def checkpoint_dir(stage: str) -> Path:
     """Training checkpoints of one stage (kept across runs so a killed stage resumes)."""
     return ARTIFACTS / "ckpt" / stage
+
+
+def token_index(split: Path) -> Path:
+    """The index describing a token split (and the other splits in its folder)."""
+    return split.parent / "index.json"
 
 
 def metrics_file(stage: str) -> Path:

@@ -80,7 +80,8 @@ def ran_stages(out: str) -> list[str]:
 def test_repro_noop_and_param_change(tmp_path):
     proj = make_project(tmp_path, TINY)
     r = dvc(proj, "repro")
-    assert ran_stages(r.stdout) == ["params", "prepare", "tokenizer", "pretrain", "midtrain", "sft", "evaluate"]
+    assert ran_stages(r.stdout) == ["params", "prepare", "tokenizer", "tokenize", "pretrain", "midtrain", "sft",
+                                    "evaluate"]
     model = proj / paths.CHAT_MODEL
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation.json"):
         assert (model / name).is_file()
@@ -144,7 +145,7 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     want = json.loads((ref / paths.metrics_file("pretrain")).read_text())
 
     proj = make_project(tmp_path / "killed", long)
-    dvc(proj, "repro", "tokenizer")
+    dvc(proj, "repro", "tokenize")
     ckpt = proj / paths.checkpoint_dir("pretrain") / "last.pt"
     kill_pretrain_when(proj, ckpt.with_name("last.pt.sha256"))  # a checkpoint counts once its checksum is written
 
