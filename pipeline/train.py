@@ -240,7 +240,9 @@ def train(stage: str, p: Params) -> dict:
     if mfu:
         metrics["mfu"] = round(mfu, 4)
     if rank == 0:
-        save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **metrics})
+        # the model directory (a DVC output) holds no timings, so the same run gives the same hash
+        save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **{k: v for k, v in metrics.items()
+                                                                          if k not in ("tokens_per_s", "mfu")}})
         write_json(paths.metrics_file(stage), metrics)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
