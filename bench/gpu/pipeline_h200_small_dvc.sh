@@ -12,7 +12,7 @@
 #
 # Device call: carry [".whl"], command `bash bench/gpu/pipeline_h200_small_dvc.sh`.
 # Extra arguments go to `dvc exp run` (e.g. stage names: `prepare tokenizer` runs only those, which
-# needs no GPU).
+# needs no GPU); PROFILE picks another profile (default h200-small).
 # Comes back under $OUT: log (everything DVC and the stages printed, each line stamped with seconds
 # since the start), summary.txt (stage wall times, exp show, metrics show), results.tar (reports/,
 # params.yaml, dvc.lock, exp show as JSON); with KEEP_MODEL=1 also the model in 15 MB parts; with
@@ -122,12 +122,12 @@ with open(sys.argv[2], "w") as f:
         f.write(f"{name}\t{start:.1f}\t{stop - start:.1f}\n")
     f.write(f"total\t0.0\t{end:.1f}\n")
 EOF
-timeout "${DVC_TIMEOUT:-500}" dvc exp run -S profile=h200-small "$@" 2>&1 | python $T/stamp.py "$OUT/log" $T/stages.tsv
+timeout "${DVC_TIMEOUT:-500}" dvc exp run -S profile=${PROFILE:-h200-small} "$@" 2>&1 | python $T/stamp.py "$OUT/log" $T/stages.tsv
 rc=$?
 echo "dvc exp run rc=$rc"
 
 {
-  echo "dvc exp run -S profile=h200-small $* : rc=$rc"
+  echo "dvc exp run -S profile=${PROFILE:-h200-small} $* : rc=$rc"
   column -t $T/stages.tsv 2>/dev/null || cat $T/stages.tsv
   # the columns that differ between rows (all of them: results.tar's exp_show.json)
   echo; echo "== dvc exp show --only-changed"; dvc exp show --no-pager --md --only-changed 2>&1
