@@ -10,6 +10,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 PYTHONPATH=/tmp/site:$PWD python3 -m bench.corpus --size "$SIZE" --out /tmp/corpus.jsonl || exit 1
 ls -la /tmp/corpus.jsonl
 PROFILE=h200 DVC_TIMEOUT=${DVC_TIMEOUT:-380} bash bench/gpu/pipeline_h200_small_dvc.sh \
-  -S 'data.pretrain_sources=[/tmp/corpus.jsonl]' -S 'data.chat_sources=[builtin:synthetic]' \
+  -S "data.pretrain_sources=['/tmp/corpus.jsonl']" -S 'data.chat_sources=[builtin:synthetic]' \
   -S data.synthetic_train=12000 -S data.synthetic_eval=50 -S tokenizer.train_chars=20000000 \
   -S pretrain.steps=12 -S pretrain.eval_tokens=1048576 -S pretrain.log_every=1 pretrain
