@@ -168,9 +168,12 @@ def test_outputs_are_where_paths_says():
         outs = _declared(st[name], "outs")
         assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
         assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
-    for name in ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate"):
+    for name in ("prepare", "tokenizer", "tokenize", *paths.TRAIN_STAGES, "evaluate"):
         assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
+    assert {str(p) for p in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN, paths.CHAT_VAL,
+                             paths.EVAL_ITEMS)} == _declared(st["prepare"], "outs")
     assert str(paths.TOKENIZER) in _declared(st["tokenizer"], "outs")
+    assert {str(paths.PRETRAIN_TOKENS), str(paths.CHAT_TOKENS)} == _declared(st["tokenize"], "outs")
     assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
 
 
