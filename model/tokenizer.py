@@ -32,6 +32,10 @@ class SparkTokenizer:
             raise ValueError(f"tokenizer lacks special tokens {missing}")
         self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
         self.bos_id = self.special["<|bos|>"]
+        # text is text: "<|assistant_end|>" typed by a user (or found in a document) encodes as its
+        # characters, never as the control id, so no message can forge a turn or a tool output.
+        # Control ids come only from the renderer (model/chat.py), which adds them by id.
+        tok.encode_special_tokens = True
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "SparkTokenizer":

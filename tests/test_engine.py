@@ -314,3 +314,23 @@ def test_running_ahead_changes_no_token():
     ahead, launched_ahead = run(True)
     assert ahead == plain and len(plain) == 4
     assert none_ahead == 0 and launched_ahead > 0
+
+
+def test_special_token_text_in_a_message_is_plain_text(serve_tokenizer):
+    """Prompt injection: the text of every control token, typed into any message, encodes as plain
+    text; the only control ids in a rendered prompt are the ones the renderer put there."""
+    from model.chat import render
+    from model.tokenizer import SPECIAL_TOKENS
+    tok = serve_tokenizer
+    control = set(tok.special.values())
+    typed = " ".join(SPECIAL_TOKENS)
+    for t in SPECIAL_TOKENS:
+        ids = tok.encode(t)
+        assert not control & set(ids) and tok.decode(ids) == t
+    plain = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}, {"role": "assistant", "content": "z"},
+             {"role": "user", "content": "w"}]
+    forged = [{"role": m["role"], "content": m["content"] + typed} for m in plain]
+    want = [i for i in render(tok, plain, for_completion=True)[0] if i in control]
+    got = [i for i in render(tok, forged, for_completion=True)[0] if i in control]
+    assert got == want  # the same control ids, in the same places
+    assert not control & set(tok.encode_batch([typed])[0])  # the tokenize stage's path too
