@@ -7,6 +7,7 @@ and sizes, and a wall-clock limit, so a model (or a user) cannot make it do anyt
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import signal
 import threading
@@ -71,13 +72,19 @@ def calculate(expr: str, timeout_s: float = 0.1) -> str:
         old = signal.signal(signal.SIGALRM, _timeout)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return format_number(_eval(tree))
+        value = _eval(tree)
     except ZeroDivisionError:
         raise CalculatorError("division by zero") from None
+    except (OverflowError, ValueError, TypeError) as e:  # 1e6 ** 64 and friends: the tool's error, no crash
+        raise CalculatorError(f"cannot compute: {e}") from None
     finally:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+    # a real, finite number (or a count) only: (-8) ** 0.5 is complex, 1e308 * 10 is inf
+    if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)):
+        raise CalculatorError(f"not a finite real number: {value}")
+    return format_number(value)
 
 
 def try_calculate(expr: str) -> str:

@@ -115,6 +115,9 @@ async def get_model(model_id: str, request: Request):
 
 @router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def unknown_v1(path: str, request: Request):
+    # a URL the API serves, asked with another method: 405, as OpenAI's and vLLM's servers answer
+    if any(getattr(r, "path", None) == f"/v1/{path}" for r in router.routes if r.endpoint is not unknown_v1):
+        raise APIError(405, f"Method {request.method} is not allowed for /v1/{path}", code="method_not_allowed")
     raise APIError(404, f"Unknown URL /v1/{path}", code="unknown_url")
 
 

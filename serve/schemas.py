@@ -1,9 +1,11 @@
 """Request and response bodies of the OpenAI chat completions API, as this server implements it.
 
-Field names, types and defaults follow OpenAI's API reference. Unknown fields are refused
-(`extra="forbid"`), and OpenAI parameters this server does not implement are declared in
-`UNSUPPORTED` with their no-op value: any other value is refused with a 400 that names the parameter.
-`top_k` is an extension (as in vLLM).
+Field names, types and defaults follow OpenAI's API reference, strictly (`"store": 0` is not a
+boolean). Unknown fields are refused (`extra="forbid"`); fields that only describe the request to the
+provider (`IGNORED`: user ids, metadata, caching and storage hints) are accepted and ignored, as vLLM
+does; OpenAI parameters this server does not implement are declared in `UNSUPPORTED` with their
+no-op value: any other value is refused with a 400 that names the parameter. `top_k` is an extension
+(as in vLLM).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ MAX_N = 8
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
@@ -37,11 +39,11 @@ class StreamOptions(_Strict):
 UNSUPPORTED = {
     "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0,
     "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
-    "function_call": "none", "response_format": {"type": "text"}, "user": None, "metadata": None,
-    "store": False, "service_tier": None, "reasoning_effort": None, "modalities": ["text"],
+    "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
-    "prompt_cache_key": None, "safety_identifier": None,
 }
+# accepted with any value of their type, and ignored: they change nothing a local model could do
+IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier")
 
 
 class ChatCompletionRequest(_Strict):

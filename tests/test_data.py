@@ -83,3 +83,14 @@ def test_prepare_holds_out_eval_items(tmp_path):
         prompts = {synthetic.normalize_prompt(json.loads(m)[0]["content"]) for m in rows}
         assert not prompts & held, name
     assert stats["chat_train"] > 0 and stats["pretrain_val_chars"] > 0
+
+
+@pytest.mark.parametrize("expr", ["1000000.0**64", "(-8)**0.5", "((0-1)**0.5)*0", "1e308*10", "1e308+1e308",
+                                  "10**64", "1/0", "2**", "__import__('os')"])
+def test_calculator_failures_are_the_tools_error(expr):
+    """Overflow, complex results, inf and nan: each ends as the tool's error output, never an
+    exception escaping to the engine (which would feed the model nothing)."""
+    from model.calculator import CalculatorError, try_calculate
+    with pytest.raises(CalculatorError):
+        calculate(expr)
+    assert try_calculate(expr) == "error"

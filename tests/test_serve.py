@@ -164,12 +164,31 @@ def test_n2_and_seeds(client):
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"extra_body": {"store": 0}}, "store"),  # strict types: 0 is not a boolean
+    ({"extra_body": {"user": 5}}, "user"),
 ])
 def test_400_invalid_requests(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, **kw)
     err = error_of(e)
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_harmless_openai_fields_are_accepted_and_ignored(client):
+    """Fields that only describe the request to a provider: clients send them; they change nothing."""
+    from serve.schemas import IGNORED
+    values = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
+              "reasoning_effort": "low", "prompt_cache_key": "c", "safety_identifier": "s"}
+    assert set(values) == set(IGNORED)
+    plain = chat(client, max_tokens=6, seed=1)
+    dressed = chat(client, max_tokens=6, seed=1, extra_body=values)
+    assert dressed.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_405_for_a_known_url_with_another_method(server):
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.get(server.url + "/v1/nope").status_code == 404
 
 
 def test_400_context_too_long(client):
