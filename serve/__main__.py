@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait (default: %(default)s)")
+    p.add_argument("--served-model-name", default="sparkchat",
+                   help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -43,7 +45,7 @@ def main(argv=None) -> None:
 
     from .api import Settings, create_app
     app = create_app(Settings(model_dir=args.model, device=args.device, api_key=args.api_key or None,
-                              max_batch=args.max_batch, max_queue=args.max_queue))
+                              max_batch=args.max_batch, max_queue=args.max_queue, model_id=args.served_model_name))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -360,3 +360,14 @@ def test_cli_defaults(monkeypatch):
     monkeypatch.setenv("SPARKCHAT_API_KEY", "k")
     a = parse_args([])
     assert (a.model, a.host, a.port, a.api_key) == ("artifacts/model", "127.0.0.1", 8000, "k")
+    assert a.served_model_name == Settings().model_id  # the flag's default is the server's
+    assert parse_args(["--served-model-name", "my-chat"]).served_model_name == "my-chat"
+
+
+def test_served_model_name(serve_start, serve_model_dir):
+    srv = serve_start(create_app(Settings(model_dir=serve_model_dir, model_id="my-chat", ui=False)))
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["my-chat"]
+    assert chat(client, model="my-chat", max_tokens=3).model == "my-chat"
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="sparkchat", max_tokens=3)
