@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
 
-    from model.chat import TOOL_DISPLAY, render
+    from model.chat import TOOL_DISPLAY
     from model.chat_engine import chat_engine, sampling_params
     from model.engine import Token
     from model.model_dir import ModelDirError, load_model_dir
@@ -56,10 +56,16 @@ def main(argv: list[str] | None = None) -> None:
             if not text:
                 continue
             messages.append({"role": "user", "content": text})
-            ids, _ = render(tok, messages, for_completion=True)
+            # leave the reply room: at most half the context, at most what it may use
+            budget = engine.max_len - min(params.max_tokens, engine.max_len // 2)
+            ids, messages, dropped = fit_history(tok, messages, budget)
+            if dropped:
+                print(f"\033[2m(the conversation outgrew the model's context of {engine.max_len} tokens: "
+                      f"{dropped} earlier messages dropped{', the system prompt kept' if args.system else ''})"
+                      f"\033[0m", file=sys.stderr)
             events: queue.Queue = queue.Queue()
             try:
-                engine.submit(ids[-engine.max_len + 1:], params, events.put)
+                engine.submit(ids, params, events.put)
             except Exception as e:  # a full queue or a prompt the engine refuses: say so, keep chatting
                 print(f"error: {e}", file=sys.stderr)
                 messages.pop()
@@ -77,6 +83,22 @@ def main(argv: list[str] | None = None) -> None:
             messages.append({"role": "assistant", "content": reply + tail})
     finally:
         engine.shutdown()
+
+
+def fit_history(tok, messages: list[dict], budget: int) -> tuple[list[int], list[dict], int]:
+    """The prompt ids of `messages`, dropping the oldest exchanges (never the system prompt, never the
+    last message) until they fit `budget` ids: (ids, the messages kept, how many were dropped). A cut
+    in the middle of the ids would lose <|bos|> and the system prompt and start mid-turn."""
+    from model.chat import render
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(head):]
+    dropped = 0
+    while True:
+        ids, _ = render(tok, head + turns, for_completion=True)
+        if len(ids) <= budget or len(turns) <= 1:
+            return ids, head + turns, dropped
+        cut = 2 if len(turns) > 2 and turns[1]["role"] == "assistant" else 1  # a user turn and its reply
+        turns, dropped = turns[cut:], dropped + cut
 
 
 if __name__ == "__main__":

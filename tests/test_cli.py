@@ -90,3 +90,21 @@ def test_chat_command_answers_and_exits(serve_model_dir):
 def test_chat_command_names_a_missing_model(tmp_path):
     r = sparkchat("chat", "--model", str(tmp_path), input="")
     assert r.returncode == 2 and "is not a sparkchat model directory: config.json is missing" in r.stderr
+
+
+def test_chat_history_drops_old_turns_keeping_the_system_prompt(serve_tokenizer):
+    from model.chat import render
+    from sparkchat.chat import fit_history
+    tok = serve_tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for i in range(12):
+        msgs += [{"role": "user", "content": f"Question number {i} about the sea?"},
+                 {"role": "assistant", "content": f"Answer number {i} about the sea."}]
+    msgs.append({"role": "user", "content": "Last question?"})
+    full, _ = render(tok, msgs, for_completion=True)
+    budget = len(full) // 2
+    ids, kept, dropped = fit_history(tok, msgs, budget)
+    assert len(ids) <= budget and dropped > 0 and dropped % 2 == 0
+    assert kept[0] == msgs[0] and kept[-1] == msgs[-1] and kept[1]["role"] == "user"
+    assert ids == render(tok, kept, for_completion=True)[0] and ids[0] == tok.bos_id
+    assert fit_history(tok, msgs, len(full)) == (full, msgs, 0)  # fits: nothing dropped
