@@ -411,14 +411,13 @@ class Engine:
         reqs = list(self.active)
         kv_len = max(self.lens[:n]) + 1
         idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
-        settings = [idle if r.prefilling else self._settings([r])[0] for r in reqs]
+        settings = [idle if r.prefilling else self._settings(r) for r in reqs]
         if self.graphs is not None:  # the forward and the sampling in one graph replay
             sampled = self.graphs.step(ids, settings, kv_len)
         else:
             x = (ids if torch.is_tensor(ids) else torch.tensor(ids, dtype=torch.long, device=self.device)).view(n, 1)
             logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]
-            st = torch.tensor(settings, dtype=torch.float32, device=self.device)
-            sampled = sample(logits, st[:, 0], st[:, 1].long(), st[:, 2], st[:, 3])
+            sampled = self._sample(logits, settings)
         self.steps += 1
         for row, req in enumerate(reqs):
             if req.prefilling:
@@ -433,20 +432,21 @@ class Engine:
         self._advance([step.reqs[r] for r in rows], sampled=[ids[r] for r in rows])
 
     @staticmethod
-    def _settings(reqs: list[Request]) -> list[list[float]]:
-        """Each row's sampling settings and next random number: temperature, top_k, top_p, uniform."""
-        return [[r.params.temperature, r.params.top_k, r.params.top_p, r.uniform()] for r in reqs]
+    def _settings(req: Request) -> list[float]:
+        """A row's sampling settings and its next random number: temperature, top_k, top_p, uniform."""
+        return [req.params.temperature, req.params.top_k, req.params.top_p, req.uniform()]
+
+    def _sample(self, logits: torch.Tensor, settings: list[list[float]]) -> torch.Tensor:
+        """Sampled ids (on the logits' device) for rows with these settings, in one host-to-device copy."""
+        st = torch.tensor(settings, dtype=torch.float32).to(logits.device, non_blocking=True)
+        ks = [s[1] for s in settings]
+        return sample(logits, st[:, 0], st[:, 1].long(), st[:, 2], st[:, 3], int(max(ks)) if min(ks) > 0 else 0)
 
     def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None,
                  sampled: list[int] | None = None) -> None:
         """Pick each row's next id (forced, or sampled from its logits unless given) and emit it."""
         if sampled is None:
-            # every row's settings in one host-to-device copy
-            rows = torch.tensor(self._settings(reqs), dtype=torch.float64).to(logits.device, non_blocking=True)
-            ks = [r.params.top_k for r in reqs]
-            k_max = max(ks) if min(ks) > 0 else 0
-            sampled = sample(logits, rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), rows[:, 3].float(),
-                             k_max).tolist()
+            sampled = self._sample(logits, [self._settings(r) for r in reqs]).tolist()
         for req, tok in zip(reqs, sampled):
             if req.done:
                 continue
@@ -572,8 +572,14 @@ class DecodeGraphs:
                 block.compile(dynamic=True)
 
     @staticmethod
-    def _pow2(n: int, floor: int = 1) -> int:
-        return max(floor, 1 << (n - 1).bit_length())
+    def _bucket(n: int, floor: int, limit: int) -> int:
+        """n rounded up to a power of two (at least `floor`), capped at `limit`."""
+        return min(max(floor, 1 << (n - 1).bit_length()), limit)
+
+    @classmethod
+    def _buckets(cls, floor: int, limit: int) -> list[int]:
+        """Every value `_bucket` can give for n in 1..limit."""
+        return sorted({cls._bucket(n, floor, limit) for n in (1 << k for k in range(limit.bit_length() + 1))})
 
     # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
     TOP_K = 256
@@ -583,8 +589,8 @@ class DecodeGraphs:
         of the same graph: `_Step` copies them out first)."""
         e = self.engine
         n = len(settings)
-        rows = min(self._pow2(n), e.config.max_batch)
-        slots = min(self._pow2(kv_len, 64), e.max_len)
+        rows = self._bucket(n, 1, e.config.max_batch)
+        slots = self._bucket(kv_len, 64, e.max_len)
         k_max = self.TOP_K if all(0 < s[1] <= self.TOP_K for s in settings) else 0
         host = self.hosts[self.turn]
         self.turn ^= 1
@@ -615,19 +621,11 @@ class DecodeGraphs:
             view = e.cache.view(0, b)
             e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
         e.cache.lengths.zero_()
-        rows = 1
-        while True:
-            slots = 64
-            while True:
+        for rows in self._buckets(1, e.config.max_batch):
+            for slots in self._buckets(64, e.max_len):
                 for k_max in (self.TOP_K, 0):
                     if (rows, slots, k_max) not in self.graphs:
                         self.graphs[(rows, slots, k_max)] = self._capture(rows, slots, k_max)
-                if slots >= e.max_len:
-                    break
-                slots = min(2 * slots, e.max_len)
-            if rows >= e.config.max_batch:
-                break
-            rows = min(2 * rows, e.config.max_batch)
 
     def _capture(self, rows: int, slots: int, k_max: int):
         e = self.engine
