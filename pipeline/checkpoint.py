@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from model.model_dir import check_file, file_record, fsync_dir, portable_state_dict, temp_name, write_atomic
+from model.model_dir import (check_file, file_record, fsync_dir, portable_state_dict, sha256_file, temp_name,
+                             write_atomic)
 
 PREV = "prev.pt"
 
 
 def file_hash(path: Path) -> str:
+    """One hash of a file, or of every file under a folder (names included)."""
     h = hashlib.sha256()
     paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for p in paths:
         h.update(p.name.encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        h.update(sha256_file(p).encode())
     return h.hexdigest()
 
 

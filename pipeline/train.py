@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import ModelDirError, load_model_dir, save_model_dir
+from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.precision import get_backend
 from model.precision.base import compile_model
@@ -143,9 +143,12 @@ def train(stage: str, p: Params) -> dict:
     # folder (which DVC warns about) once a finished stage has removed its checkpoints
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
-    # the token indexes hold each token file's sha256: hashing them stands for hashing the files
-    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER] \
-        + ([init_dir / "model.safetensors"] if init_dir else [])
+    # the token indexes and the starting model's checksums.json hold each file's sha256 (the model's
+    # verified as it loaded): hashing them stands for hashing the files again (a model directory
+    # without checksums loads unverified: then its weights themselves)
+    inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER]
+    if init_dir:
+        inputs.append(init_dir / CHECKSUMS if (init_dir / CHECKSUMS).is_file() else init_dir / "model.safetensors")
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
                       "precision": asdict(pr),
                       "backend": backend.name, "world": world}, inputs)
