@@ -29,18 +29,19 @@ def choices(tp) -> tuple:
 @dataclass
 class Options:
     """Base of the option dataclasses: checks types and allowed values of every field on construction,
-    then the class's own `check()`."""
+    then each `MINIMUM` bound."""
     KEY: ClassVar[str] = ""
     """Where params.yaml holds these options, e.g. 'precision.fp8'."""
+    MINIMUM: ClassVar[dict[str, float]] = {}
+    """field -> the smallest value it may take."""
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked(getattr(self, f.name), hints[f.name], f"{self.KEY}.{f.name}"))
-        self.check()
-
-    def check(self) -> None:
-        """Checks across fields or of ranges; raise OptionError naming the key."""
+        for name, low in self.MINIMUM.items():
+            if getattr(self, name) < low:
+                raise OptionError(f"{self.KEY}.{name} must be >= {low}, got {getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, base: "Options | None" = None):
@@ -124,6 +125,7 @@ TERecipe = Literal["delayed", "current", "block", "mxfp8"]
 class Fp8Options(Options):
     """`fp8`: native FP8 GEMMs through torch._scaled_mm (fp8.py explains each choice)."""
     KEY: ClassVar[str] = "precision.fp8"
+    MINIMUM: ClassVar[dict[str, float]] = {"amax_history_len": 1}
     fast_accum: Literal["forward", "all", "none"] = "forward"
     """_scaled_mm's fast accumulation: forward (the forward GEMM only) | all | none."""
     scaling: Literal["dynamic", "delayed"] = "dynamic"
@@ -140,15 +142,13 @@ class Fp8Options(Options):
     """Scales rounded down to powers of two (with dynamic scaling and cast: kernel no amax pass runs
     first) | false: scale = max / amax exactly."""
 
-    def check(self) -> None:
-        if self.amax_history_len < 1:
-            raise OptionError(f"{self.KEY}.amax_history_len must be >= 1, got {self.amax_history_len}")
 
 
 @dataclass
 class TEFp8Options(Options):
     """`te-fp8`: Transformer Engine's FP8 modules under one of its recipes (te_fp8.py)."""
     KEY: ClassVar[str] = "precision.te_fp8"
+    MINIMUM: ClassVar[dict[str, float]] = {"amax_history_len": 1}
     recipe: TERecipe = "delayed"
     """delayed (amax history) | current (this step's amax) | block (1x128 / 128x128 blocks, sm_90+) |
     mxfp8 (1x32 blocks, power-of-two scales, sm_100+)."""
@@ -161,9 +161,6 @@ class TEFp8Options(Options):
     compile: bool = True
     """Compile the model block by block around the (eager) TE modules; false: all eager."""
 
-    def check(self) -> None:
-        if self.amax_history_len < 1:
-            raise OptionError(f"{self.KEY}.amax_history_len must be >= 1, got {self.amax_history_len}")
 
 
 @dataclass
@@ -171,6 +168,7 @@ class Nvfp4Options(Options):
     """`te-nvfp4` and `nvfp4-emulated`: the NVFP4 training recipe, defaults as TE and the NVFP4 paper
     (arXiv 2509.25149) recommend."""
     KEY: ClassVar[str] = "precision.nvfp4"
+    MINIMUM: ClassVar[dict[str, float]] = {"bf16_last_blocks": 0}
     weight_2d: bool = True
     """16x16 block scales for weights, so W and W^T quantise alike."""
     stochastic_rounding: bool = True
@@ -180,23 +178,18 @@ class Nvfp4Options(Options):
     bf16_last_blocks: int = 2
     """Final transformer blocks kept in BF16 (the head always is)."""
 
-    def check(self) -> None:
-        if self.bf16_last_blocks < 0:
-            raise OptionError(f"{self.KEY}.bf16_last_blocks must be >= 0, got {self.bf16_last_blocks}")
 
 
 @dataclass
 class AutoOptions(Options):
     """`auto`: the fastest backend a probe on this machine measured (auto.py)."""
     KEY: ClassVar[str] = "precision.auto"
+    MINIMUM: ClassVar[dict[str, float]] = {"max_loss_diff_pct": 0}
     probe_file: str = ""
     """probe.json to pick from; '' = the probe stage's output (the pipeline fills in its path)."""
     max_loss_diff_pct: float = 1.0
     """A backend whose probe loss is further than this (percent) from bf16's is never picked."""
 
-    def check(self) -> None:
-        if self.max_loss_diff_pct < 0:
-            raise OptionError(f"{self.KEY}.max_loss_diff_pct must be >= 0, got {self.max_loss_diff_pct}")
 
 
 @dataclass
@@ -204,14 +197,12 @@ class LayerFilter(Options):
     """Which Linear layers a backend converts. FP8/FP4 GEMMs need dims divisible by 16; the output head
     (and embeddings, which are not Linears) stay in higher precision by default."""
     KEY: ClassVar[str] = "precision.layer_filter"
+    MINIMUM: ClassVar[dict[str, float]] = {"dim_multiple": 1}
     dim_multiple: int = 16
     """Only Linear layers whose dims are multiples of this convert (FP8/FP4 GEMM requirement)."""
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
     """Layer names (substrings) that stay in high precision."""
 
-    def check(self) -> None:
-        if self.dim_multiple < 1:
-            raise OptionError(f"{self.KEY}.dim_multiple must be > 0, got {self.dim_multiple}")
 
     def __call__(self, fqn: str, module) -> bool:
         import torch.nn as nn  # here, so this module loads without torch
