@@ -50,6 +50,7 @@ STAGES = {
 }
 CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256). A killed stage "
                    "resumes from them on the next `dvc repro`; a finished one removes them.\n")
+TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "gpu_idle_frac")  # in the metrics, not the model dir
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
 
@@ -58,6 +59,53 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class GpuIdle:
+    """How long the GPU waited for the host while training: a CUDA event where the host starts handing
+    the GPU a micro-step (its batch) and one where that work ends. The stream reaches a start event only
+    once the host has queued it, so end -> next start is time the GPU had nothing queued (a slow loader,
+    the host's own bookkeeping). Read only on steps the loop synchronises anyway."""
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cuda"
+        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        self.idle_s = self.busy_s = 0.0
+
+    def _mark(self, kind: str) -> None:
+        if self.on:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((kind, ev))
+
+    def start(self) -> None:
+        self._mark("start")
+
+    def end(self) -> None:
+        self._mark("end")
+
+    def skip(self) -> None:
+        """Forget the marks: the gap up to the next start is other work (evaluation, a checkpoint)."""
+        self.marks = []
+
+    def read(self, count: bool) -> None:
+        """Add the gaps since the last read to the totals when `count`; keep the last end mark, from
+        which the next gap is measured."""
+        if not self.on or not self.marks:
+            return
+        self.marks[-1][1].synchronize()
+        if count:
+            for (k0, e0), (k1, e1) in zip(self.marks, self.marks[1:]):
+                dt = e0.elapsed_time(e1) / 1e3
+                if (k0, k1) == ("end", "start"):
+                    self.idle_s += dt
+                elif (k0, k1) == ("start", "end"):
+                    self.busy_s += dt
+        self.marks = self.marks[-1:] if self.marks[-1][0] == "end" else []
+
+    def fraction(self) -> float | None:
+        total = self.idle_s + self.busy_s
+        return round(self.idle_s / total, 4) if self.on and total else None
 
 
 def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
@@ -197,6 +245,9 @@ def train(stage: str, p: Params) -> dict:
     bar = tqdm(total=steps, initial=start_step, desc=stage, unit="step", disable=rank != 0, file=sys.stderr,
                mininterval=1.0, dynamic_ncols=True)
     loss_value, tps, mfu = float("nan"), 0.0, None
+    # sustained throughput and GPU idle time count from the end of the first step this run makes (which
+    # compiles) to the end, read only on logged steps (which synchronise anyway)
+    idle, sustained_from, sustained_to = GpuIdle(device), None, 0.0
     model.train()
     for step in range(start_step, steps):
         t0 = time.perf_counter()
@@ -204,6 +255,7 @@ def train(stage: str, p: Params) -> dict:
         optimizer.set_lr_multiplier(mult)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
+            idle.start()
             x, y = train_batches.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             sync = model.no_sync() if world > 1 and micro < grad_accum - 1 else contextlib.nullcontext()
@@ -211,12 +263,15 @@ def train(stage: str, p: Params) -> dict:
                 loss = model(x, y)
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
+            if micro < grad_accum - 1:
+                idle.end()
         if world > 1:
             backend.sync_ranks(raw_model)
         if t.grad_clip:
             torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        idle.end()  # the last micro-step's work runs on through the optimizer
         done = step + 1
         evaluate_now = done % t.eval_every == 0 or done == steps
         row = done % t.log_every == 0 or evaluate_now  # a plot row: its loss is this step's
@@ -225,8 +280,14 @@ def train(stage: str, p: Params) -> dict:
             dt = time.perf_counter() - t0
             tps = grad_accum * tokens_per_micro / dt
             mfu = flops * tps / (peak * world) if peak else None
+            idle.read(count=sustained_from is not None)
+            if sustained_from is None:
+                sustained_from = (done, time.perf_counter())
+            sustained_to = time.perf_counter()  # the last step's is before the final evaluation
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}", **({"mfu": f"{mfu:.1%}"} if mfu else {}))
         val_bpb = run_eval() if evaluate_now else None
+        if evaluate_now or (done % t.checkpoint_every == 0 and done < steps):
+            idle.skip()  # the GPU's wait behind evaluation or a checkpoint is not the loader's
         if val_bpb is not None:
             history["val_bpb"] = val_bpb
         if plot is not None and row:
@@ -235,6 +296,10 @@ def train(stage: str, p: Params) -> dict:
             save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
         bar.update(1)
     bar.close()
+    sustained = None
+    if sustained_from is not None and sustained_from[0] < steps:
+        sustained = round((steps - sustained_from[0]) * grad_accum * tokens_per_micro
+                          / (sustained_to - sustained_from[1]))
 
     metrics = {"steps": steps, "final_loss": round(loss_value, 4), "val_bpb": round(history.get("val_bpb", float("nan")), 4),
                "tokens_per_s": round(tps), "params": raw_model.num_params(), "backend": backend.name,
@@ -242,10 +307,14 @@ def train(stage: str, p: Params) -> dict:
                "tokens": steps * grad_accum * tokens_per_micro}
     if mfu:
         metrics["mfu"] = round(mfu, 4)
+    if sustained:
+        metrics["tokens_per_s_sustained"] = sustained  # every step after the first this run made
+    if idle.fraction() is not None:
+        metrics["gpu_idle_frac"] = idle.fraction()  # of the logged steps after the first
     if rank == 0:
         # the model directory (a DVC output) holds no timings, so the same run gives the same hash
         save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **{k: v for k, v in metrics.items()
-                                                                          if k not in ("tokens_per_s", "mfu")}})
+                                                                          if k not in TIMINGS}})
         write_json(paths.metrics_file(stage), metrics)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
