@@ -42,14 +42,20 @@ def fsdp(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
     """FSDP2 over the default process group: every block a unit, the root (embedding, head) the last.
     Returns the same module (its class becomes an FSDP subclass; its parameters, DTensor shards):
     build the optimizer afterwards."""
+    return shard(model, list(model.blocks), compute_dtype)
+
+
+def shard(root: nn.Module, units: list[nn.Module], compute_dtype: torch.dtype) -> nn.Module:
+    """`fully_shard` on each unit (its weights gathered together, one unit at a time), then on the root
+    (the weights left over), computing in `compute_dtype` from fp32 shards and reducing in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    # the root's weights (embedding, head) are needed last in backward: keep them gathered after the
-    # forward instead of gathering them again at once
-    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
-    return model
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
+    # the root's weights (a GPT's embedding and head) are needed first in backward: keep them gathered
+    # after the forward instead of gathering them again at once
+    fully_shard(root, mp_policy=policy, reshard_after_forward=False)
+    return root
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -250,8 +250,8 @@ class RuntimeParams:
         if self.rdzv_endpoint or self.nnodes > 1:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                need = f"{key}.nnodes={self.nnodes} needs" if self.nnodes > 1 else "must be"
-                raise ConfigError(f"{key}.rdzv_endpoint {need} host:port of node 0 (e.g. spark-1:29500), "
+                why = f" (where the {self.nnodes} machines of {key}.nnodes meet)" if self.nnodes > 1 else ""
+                raise ConfigError(f"{key}.rdzv_endpoint must be host:port of node 0, e.g. spark-1:29500{why}; "
                                   f"got '{self.rdzv_endpoint}'")
 
     @property

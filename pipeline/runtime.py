@@ -74,9 +74,9 @@ def join_env(runtime, env=os.environ) -> dict[str, str]:
     return out
 
 
-def torchrun_command(runtime, module: str) -> list[str] | None:
-    """The torchrun command that runs `python -m module` as this machine's part of the job the runtime
-    keys describe; None when they describe one process."""
+def torchrun_command(runtime, module: str, args: list[str] = ()) -> list[str] | None:
+    """The torchrun command that runs `python -m module *args` as this machine's part of the job the
+    runtime keys describe; None when they describe one process."""
     if runtime.nproc == 1 and runtime.nnodes == 1:
         return None
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={runtime.nproc}", "--max-restarts=0"]
@@ -86,17 +86,17 @@ def torchrun_command(runtime, module: str) -> list[str] | None:
         host, port = runtime.master
         cmd += [f"--nnodes={runtime.nnodes}", f"--node-rank={runtime.node_rank}", f"--master-addr={host}",
                 f"--master-port={port}"]
-    return cmd + ["-m", module]
+    return cmd + ["-m", module, *args]
 
 
-def launch(runtime, module: str, run) -> None:
+def launch(runtime, module: str, run, args: list[str] = ()) -> None:
     """Runs `run()` in this process when it is one of a launcher's ranks or the only one; otherwise starts
-    torchrun for this machine's ranks (each runs `python -m module`) and exits with its status."""
+    torchrun for this machine's ranks (each runs `python -m module *args`) and exits with its status."""
     joined = join_env(runtime)
     if joined:
         os.environ.update(joined)
         return run()
-    cmd = torchrun_command(runtime, module)
+    cmd = torchrun_command(runtime, module, args)
     if cmd is None:
         return run()
     import subprocess

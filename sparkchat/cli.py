@@ -17,6 +17,7 @@ COMMANDS = {
     "chat": ("sparkchat.chat", "talk to a model directory in the terminal"),
     "serve": ("serve.__main__", "OpenAI-compatible API and a Gradio chat page over a model directory"),
     "probe": ("pipeline.probe", "which precision backends run on this machine, and what each one buys"),
+    "link-check": ("pipeline.linkcheck", "check and time the link between the ranks of a multi-machine job"),
 }
 
 
