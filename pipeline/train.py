@@ -40,7 +40,7 @@ from sparkchat import paths
 
 from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, remove_checkpoints, save_checkpoint,
                          save_sharded, set_rng_state)
-from .config import Params, TrainParams, n_kv_head, steps_for_tokens
+from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
 from .data import ChatBatches, DataError, TokenStream, open_tokens
 from .metrics import TSVLog, write_json
 from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
@@ -145,16 +145,26 @@ def check_shared_folder(folder: Path, rank: int) -> None:
                           f"the same path (README, \"Several machines\")")
 
 
-def train(stage: str, p: Params) -> dict:
-    t: TrainParams = getattr(p, stage)
-    init_dir, train_file, val_file, out_dir = STAGES[stage]
+def train(stage: str | None, p: Params) -> dict:
+    """Runs `stage`, or with None (a rank `sparkchat join` started) the stage global rank 0 runs."""
     device = resolve_device(p.runtime.device)
-    backend = stage_backend(stage, p)
-    backend.check(device)  # fail before any work
-    backend.check_parallel(p.runtime.parallel)  # auto knows its backend now
+    backend = stage_backend(stage, p) if stage else None
+    if backend:
+        backend.check(device)  # fail before any work
     sharded = p.runtime.parallel == "fsdp"
     # FSDP shards over a process group even on one rank (its checkpoints then load on any number)
     rank, world, device = setup_distributed(device, p.runtime.timeout_s, always=sharded)
+    if world > 1:  # rank 0 says which stage runs: a joining rank takes it, a rank started for another stops
+        leader = broadcast(stage)
+        if stage is None:
+            stage, p = leader, load_params(stage=leader)
+            backend = stage_backend(stage, p)
+            backend.check(device)
+        elif leader != stage:
+            raise LaunchError(f"global rank 0 runs the {leader} stage, but this machine started {stage}")
+    backend.check_parallel(p.runtime.parallel)  # auto knows its backend now
+    t: TrainParams = getattr(p, stage)
+    init_dir, train_file, val_file, out_dir = STAGES[stage]
     if p.runtime.threads:
         torch.set_num_threads(p.runtime.threads)
     torch.manual_seed(t.seed + rank)
@@ -314,7 +324,7 @@ def train(stage: str, p: Params) -> dict:
 
 
 def main(stage: str) -> None:
-    from .config import ConfigError, load_params
+    from .config import ConfigError
     from model.precision import BackendUnavailable
     try:
         p = load_params(stage=stage)

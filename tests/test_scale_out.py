@@ -7,8 +7,8 @@ filesystem of a real multi-machine job):
   process's with the same global batch (fp32, relative difference <= 1e-5);
 - FSDP, both nodes external torchruns: the same;
 - kill -9 of one rank of an FSDP job: every rank and both agents exit non-zero within 60 s; the next
-  `dvc repro` (node 0 under DVC, node 1 joining) resumes and ends bit-exactly where the unbroken job
-  ended (loss plot and model weights);
+  `dvc repro` (node 0 under DVC, node 1 by `sparkchat join`) resumes and ends bit-exactly where the
+  unbroken job ended (loss plot and model weights);
 - the checkpoint those 4 ranks wrote resumes on 2 ranks and on 1, with the unbroken job's next-step loss.
 """
 from __future__ import annotations
@@ -200,9 +200,11 @@ def test_dvc_repro_resumes_bit_exactly(killed, fsdp_unbroken, tmp_path):
                         rdzv_endpoint=f"127.0.0.1:{port}")
     repro = subprocess.Popen(["dvc", "repro", "pretrain"], cwd=proj, env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    second = node(proj, 1, port, tmp_path / "node1.log")
+    # node 1 as a user runs it: `sparkchat join` takes its part of whatever stage node 0 starts
+    second = subprocess.Popen([sys.executable, "-m", "sparkchat.cli", "join", "--node-rank", "1", "--once"], cwd=proj,
+                              env=env(), stdout=(tmp_path / "node1.log").open("w"), stderr=subprocess.STDOUT)
     out = repro.communicate(timeout=300)[0]
-    assert repro.returncode == 0 and second.wait(timeout=60) == 0, out[-3000:]
+    assert repro.returncode == 0 and second.wait(timeout=60) == 0, out[-3000:] + (tmp_path / "node1.log").read_text()[-2000:]
     assert resumed_step(out) >= 3
     plot = paths.plot_file("pretrain")
     assert (proj / plot).read_text() == (fsdp_unbroken / plot).read_text()
