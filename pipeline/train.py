@@ -130,7 +130,7 @@ def check_shared_folder(folder: Path, rank: int) -> None:
     """Every rank must see the files rank 0 writes (checkpoints, and the outputs the next stage reads):
     on several machines, the project directory must be on a filesystem they all mount. Fails on every
     rank, naming the machines that do not see it, instead of a hang or a half-written checkpoint."""
-    token = broadcast(secrets.token_hex(8) if rank == 0 else None)
+    token, where = broadcast((secrets.token_hex(8), str(folder.resolve())) if rank == 0 else None)
     probe = folder / ".rank0"
     if rank == 0:
         probe.write_text(token)
@@ -140,7 +140,7 @@ def check_shared_folder(folder: Path, rank: int) -> None:
     if rank == 0:  # every rank has looked (the gather above)
         probe.unlink()
     if blind:
-        raise LaunchError(f"{', '.join(blind)} cannot see the files rank 0 writes in {folder.resolve()}: a job on "
+        raise LaunchError(f"{', '.join(blind)} cannot see the files rank 0 writes in {where}: a job on "
                           f"several machines needs the project directory on a filesystem every machine mounts at "
                           f"the same path (README, \"Several machines\")")
 

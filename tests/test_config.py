@@ -35,7 +35,7 @@ def test_every_profile_loads_and_validates(profile):
 
 
 def test_profiles_exist():
-    assert {"h200", "node8", "spark"} <= set(PROFILES)
+    assert {"h200", "node8", "spark", "spark-pair"} <= set(PROFILES)
 
 
 @pytest.mark.parametrize("edit, key", [

@@ -222,3 +222,22 @@ def test_a_four_rank_fsdp_checkpoint_resumes_on_fewer(killed, fsdp_unbroken, tmp
     assert sorted(got) == list(range(1, 13))
     assert_close_losses(got, want, steps=[step + 1])  # the next step after the checkpoint
     assert_close_losses(got, want)  # and every later one
+
+
+def test_machines_without_a_shared_folder_are_refused(data_project, tmp_path):
+    """Two "machines" each in a project directory of its own (separate disks): every rank stops at start,
+    naming the machine that cannot see node 0's files, instead of training into checkpoints no one can
+    read back whole."""
+    port = free_port()
+    dirs = [copy_project(data_project, tmp_path / f"disk{r}" / "proj", parallel="fsdp") for r in (0, 1)]
+    procs = []
+    for r, proj in enumerate(dirs):
+        cmd = TORCHRUN + ["--nnodes=2", f"--node-rank={r}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                          f"--master-port={port}", "--max-restarts=0", "-m", "pipeline.pretrain"]
+        procs.append(subprocess.Popen(cmd, cwd=proj, env=env(), stdout=(tmp_path / f"node{r}.log").open("w"),
+                                      stderr=subprocess.STDOUT))
+    assert all(rc != 0 for rc in finish(*procs, timeout=180))
+    log = (tmp_path / "node1.log").read_text()
+    assert f"{socket.gethostname()} cannot see the files rank 0 writes in " \
+           f"{dirs[0] / paths.checkpoint_dir('pretrain')}" in log.replace("\n", ""), log[-3000:]
+    assert not (dirs[0] / paths.MODEL_DIRS["pretrain"]).exists()
