@@ -66,7 +66,8 @@ class Muon(torch.optim.Optimizer):
     batched matmuls instead of 100 x 15 small ones). The update is the same as one matrix at a time.
 
     `splits` maps a parameter to row counts when it holds several matrices stacked by rows (the fused
-    q/k/v projection): each part is orthogonalised on its own, exactly as if they were separate."""
+    q/k/v projection): each part is orthogonalised on its own, exactly as if they were separate.
+    Parameters sharded by FSDP (DTensors) are updated through their whole matrices (module docstring)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
                  splits: dict | None = None):
@@ -103,12 +104,12 @@ class Muon(torch.optim.Optimizer):
                 # scale so the update's RMS does not depend on the matrix's aspect ratio
                 scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
                 for (i, j), u in zip(where, update.unbind(0)):
+                    u = u.to(params[i].dtype)  # scaled in the weights' dtype, not in bf16
                     pieces[i][j] = u if scale == 1.0 else u * scale
             targets = [local(p) for p in params]  # this rank's rows of each parameter
             if group["weight_decay"]:
                 torch._foreach_mul_(targets, 1 - group["lr"] * group["weight_decay"])
-            updates = [local_rows(torch.cat(parts) if len(parts) > 1 else parts[0], p).to(p.dtype)
-                       for p, parts in zip(params, pieces)]
+            updates = [local_rows(torch.cat(parts) if len(parts) > 1 else parts[0], p) for p, parts in zip(params, pieces)]
             torch._foreach_add_(targets, updates, alpha=-group["lr"])
 
 

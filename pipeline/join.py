@@ -44,10 +44,14 @@ def main(argv: list[str] | None = None) -> None:
             from .train import train
             train(None, p)
             return
-        runtime = dataclasses.replace(p.runtime, node_rank=a.node_rank)
-        runtime.check("runtime")
+        if p.runtime.nnodes < 2:
+            raise ConfigError("runtime.nnodes is 1 in params.yaml: there is no job of several machines to join")
         if a.node_rank == 0:
             raise ConfigError("--node-rank 0 is the machine that runs the pipeline (dvc repro); the others join it")
+        if not 0 < a.node_rank < p.runtime.nnodes:
+            raise ConfigError(f"--node-rank must be in 1..{p.runtime.nnodes - 1} (runtime.nnodes={p.runtime.nnodes}), "
+                              f"got {a.node_rank}")
+        runtime = dataclasses.replace(p.runtime, node_rank=a.node_rank)
         cmd = torchrun_command(runtime, "pipeline.join", ["--node-rank", str(a.node_rank)])
         while True:
             print(f"join: machine {a.node_rank} of {runtime.nnodes}, waiting at {runtime.rdzv_endpoint} for node 0's "
