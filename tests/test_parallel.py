@@ -204,3 +204,17 @@ def test_link_check_runs_over_the_ranks(tmp_path):
     assert f"rank 1: {socket.gethostname()} cpu" in r.stdout
     sizes = [line.split()[0] for line in r.stdout.splitlines() if re.match(r"\s+\d+\.\d+\s+\d", line)]
     assert sizes == ["0.25", "1.00"], r.stdout
+
+
+@pytest.mark.parametrize("runtime, flag, message", [
+    ({}, "1", "join: runtime.nnodes is 1 in params.yaml: there is no job of several machines to join"),
+    ({"nnodes": 2, "rdzv_endpoint": "n0:29500"}, "0", "join: --node-rank 0 is the machine that runs the pipeline"),
+    ({"nnodes": 2, "rdzv_endpoint": "n0:29500"}, "2", "join: --node-rank must be in 1..1 (runtime.nnodes=2), got 2"),
+])
+def test_join_refuses_what_cannot_be_joined(tmp_path, runtime, flag, message):
+    d = yaml.safe_load((ROOT / "params.yaml").read_text())
+    d["runtime"].update(runtime)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
+    r = subprocess.run([sys.executable, "-m", "sparkchat.cli", "join", "--node-rank", flag], cwd=tmp_path,
+                       capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
