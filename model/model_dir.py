@@ -139,9 +139,10 @@ def _reading(path: Path, name: str):
         raise ModelDirError(f"model directory {path}: {name} cannot be loaded ({type(e).__name__}: {e})") from e
 
 
-def portable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """float32 copy of the weights under the plain GPT's names (backends may add extra state)."""
-    sd = model.state_dict()
+def portable_state_dict(model: torch.nn.Module, sd: dict | None = None) -> dict[str, torch.Tensor]:
+    """float32 copy of the weights under the plain GPT's names (backends may add extra state); `sd`: the
+    model's state dict gathered elsewhere (a sharded model's, model/parallel.full_state_dict)."""
+    sd = model.state_dict() if sd is None else sd
     out = {}
     for k, v in sd.items():
         k = k.removeprefix("_orig_mod.").removeprefix("module.")
@@ -160,12 +161,14 @@ def upgrade_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, generation: dict | None = None,
-                   extra: dict | None = None) -> None:
+                   extra: dict | None = None, state_dict: dict | None = None) -> None:
+    """`state_dict`: the weights when `model` does not hold them whole (FSDP: gathered by the caller)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     writers = {
         "config.json": _json_writer(model.config.to_dict()),
-        "model.safetensors": lambda p: save_file(portable_state_dict(model), str(p), metadata={"format": "pt"}),
+        "model.safetensors": lambda p: save_file(portable_state_dict(model, state_dict), str(p),
+                                                 metadata={"format": "pt"}),
         "tokenizer.json": tokenizer.save,
         "generation.json": _json_writer({**DEFAULT_GENERATION, **(generation or {})}),
     }

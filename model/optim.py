@@ -4,20 +4,37 @@ Muon takes the momentum of a matrix's gradient and replaces it by the nearest se
 (computed with a few Newton-Schulz iterations in bf16), so every direction of the update has the same
 size. Embeddings and the output head are not ordinary matrix multiplies of hidden states, so they keep
 AdamW. With DDP, gradients arrive all-reduced and every rank runs the same update.
+
+Under FSDP each rank holds only some rows of each matrix (and of its gradient and momentum), but the
+orthogonalisation is a function of the whole matrix. Muon here takes the full matrix: each step it
+all-gathers every matrix's Nesterov momentum (in the Newton-Schulz dtype, bf16 on a GPU: half the bytes
+of one fp32 all-gather of the weights), orthogonalises the whole matrices as one rank would, and keeps
+the rows of the update its own shard holds. Every rank does the whole Newton-Schulz, as every DDP rank
+does now, so the update is the single-process update exactly, with no approximation; the cost over DDP
+is that all-gather. A sharded orthogonalisation (each rank orthogonalising a share of the matrices and
+scattering the results) would divide the compute by the rank count for a second collective; at these
+model sizes the Newton-Schulz is a few percent of a step (bench/train_step.py), so the simple form wins.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from .parallel import full_matrix, local, local_rows
+
 # quintic Newton-Schulz coefficients chosen to push singular values towards 1 fast (Keller Jordan)
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def ns_dtype(g: torch.Tensor) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: bf16 on a GPU (its tensor cores), fp32 elsewhere."""
+    return torch.bfloat16 if g.is_cuda else torch.float32
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Nearest semi-orthogonal matrix to g (or to each matrix of a stack g[..., r, c])."""
     a, b, c = NS_COEFFS
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    x = g.to(ns_dtype(g))
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
@@ -49,7 +66,8 @@ class Muon(torch.optim.Optimizer):
     batched matmuls instead of 100 x 15 small ones). The update is the same as one matrix at a time.
 
     `splits` maps a parameter to row counts when it holds several matrices stacked by rows (the fused
-    q/k/v projection): each part is orthogonalised on its own, exactly as if they were separate."""
+    q/k/v projection): each part is orthogonalised on its own, exactly as if they were separate.
+    Parameters sharded by FSDP (DTensors) are updated through their whole matrices (module docstring)."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
                  splits: dict | None = None):
@@ -58,7 +76,7 @@ class Muon(torch.optim.Optimizer):
         self.splits = {id(p): list(rows) for p, rows in (splits or {}).items()}
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # closure: the Optimizer signature (torch.distributed's state-dict helpers call it)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -71,21 +89,28 @@ class Muon(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p.grad)
                 bufs.append(state["momentum"])
             torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
-            # matrices (parts of split parameters included) grouped by shape: (update source, target)
             sources = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+            # whole matrices (gathered when FSDP shards them), cut into their parts, grouped by shape
             by_shape: dict[tuple, list] = {}
-            for p, g in zip(params, sources):
-                rows = self.splits.get(id(p))
-                pieces = zip(g.split(rows), p.data.split(rows)) if rows else [(g, p.data)]
-                for gp, pp in pieces:
-                    by_shape.setdefault(tuple(pp.shape), []).append((gp, pp))
-            if group["weight_decay"]:
-                torch._foreach_mul_([p.data for p in params], 1 - group["lr"] * group["weight_decay"])
-            for shape, pairs in by_shape.items():
-                update = _orthogonalize_fn(pairs[0][0].device)(torch.stack([g for g, _ in pairs]), group["ns_steps"])
+            pieces: list[list] = []
+            for i, (p, g) in enumerate(zip(params, sources)):
+                full = full_matrix(g.to(ns_dtype(g)))
+                pieces.append(list(full.split(self.splits[id(p)])) if id(p) in self.splits else [full])
+                for j, piece in enumerate(pieces[i]):
+                    by_shape.setdefault(tuple(piece.shape), []).append((i, j))
+            for shape, where in by_shape.items():
+                update = _orthogonalize_fn(params[0].device)(torch.stack([pieces[i][j] for i, j in where]),
+                                                              group["ns_steps"])
                 # scale so the update's RMS does not depend on the matrix's aspect ratio
                 scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
-                torch._foreach_add_([p for _, p in pairs], list(update.unbind(0)), alpha=-group["lr"] * scale)
+                for (i, j), u in zip(where, update.unbind(0)):
+                    u = u.to(params[i].dtype)  # scaled in the weights' dtype, not in bf16
+                    pieces[i][j] = u if scale == 1.0 else u * scale
+            targets = [local(p) for p in params]  # this rank's rows of each parameter
+            if group["weight_decay"]:
+                torch._foreach_mul_(targets, 1 - group["lr"] * group["weight_decay"])
+            updates = [local_rows(torch.cat(parts) if len(parts) > 1 else parts[0], p) for p, parts in zip(params, pieces)]
+            torch._foreach_add_(targets, updates, alpha=-group["lr"])
 
 
 class CombinedOptimizer:

@@ -13,6 +13,15 @@ A checkpoint file is fsynced before its rename, and its checksum is written afte
 counts only once its checksum file matches it. On load, a checkpoint that is truncated, empty,
 overwritten or without its checksum (what a power cut or a full disk can leave) is moved aside to
 `<name>.damaged-<time>` with a message naming it, and the stage resumes from prev.pt or from step 0.
+
+Under FSDP (`runtime.parallel: fsdp`) no rank holds the whole model, so a checkpoint is a folder
+written by every rank through `torch.distributed.checkpoint` (DCP): `last.dcp/` and `prev.dcp/`, each
+holding every rank's shard files, DCP's `.metadata` and `train_state.pt` (step, data position, RNG,
+fingerprint, plot rows), with `last.dcp.sha256` beside it (size and sha256 of every file in it). It is
+written as `last.dcp.tmp/`, checked, renamed, and its checksum file written last, the same commit
+sequence as a file's; the ranks share the hashing. DCP stores each tensor with its global shape, so a
+checkpoint written by 4 ranks loads on 2 or on 1 (resharding as it reads). Every rank must see the
+same folder: on several machines, a filesystem they all mount.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -28,8 +38,11 @@ import torch
 
 from model.model_dir import (check_file, file_record, fsync_dir, portable_state_dict, sha256_file, temp_name,
                              write_atomic)
+from model.parallel import all_gather, barrier, broadcast
 
 PREV = "prev.pt"
+LAST_DIR, PREV_DIR = "last.dcp", "prev.dcp"  # sharded (FSDP) checkpoints: folders
+TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: everything but the model and optimizer
 
 
 def file_hash(path: Path) -> str:
@@ -139,9 +152,119 @@ def load_checkpoint(path: Path, fp: str) -> tuple[dict | None, str]:
 
 
 def remove_checkpoints(path: Path) -> None:
-    """Once the stage's model is saved: last.pt, prev.pt and their checksums go, with what a save cut short
-    left behind (damaged ones moved aside stay, for inspection)."""
-    for p in (path, path.with_name(PREV)):
+    """Once the stage's model is saved: last.pt, prev.pt, last.dcp/, prev.dcp/ and their checksums go, with
+    what a save cut short left behind (damaged ones moved aside stay, for inspection)."""
+    for p in (path, path.with_name(PREV), path.with_name(LAST_DIR), path.with_name(PREV_DIR)):
         for f in (p, _sidecar(p)):
+            if f.is_dir():
+                shutil.rmtree(f)
             f.unlink(missing_ok=True)
             temp_name(f).unlink(missing_ok=True)
+    shutil.rmtree(temp_name(path.with_name(LAST_DIR)), ignore_errors=True)
+
+
+# -- sharded checkpoints (FSDP): a folder every rank writes its part of ---------------------------------
+
+def _rank() -> tuple[int, int]:
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _folder_record(folder: Path) -> dict:
+    """{file name: size and sha256} of every file in `folder`; each rank hashes a share (collective)."""
+    rank, world = _rank()
+    names = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+    mine = {n: file_record(folder / n) for i, n in enumerate(names) if i % world == rank}
+    return {k: v for part in all_gather(mine) for k, v in part.items()}
+
+
+def _folder_files(folder: Path) -> dict | None:
+    """The records written beside a checkpoint folder ({file name: size and sha256}), or None."""
+    try:
+        files = json.loads(_sidecar(folder).read_text())["files"]
+        return {n: {"size": int(r["size"]), "sha256": str(r["sha256"])} for n, r in files.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _folder_damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder against its checksum file, or None (collective: each rank
+    checks a share of the files; every rank gets the same answer)."""
+    files = _folder_files(folder)
+    if files is None:
+        return (f"has no readable checksum file {_sidecar(folder).name} (its save was cut short, or an older "
+                f"sparkchat wrote it)")
+    rank, world = _rank()
+    mine = None
+    for i, (name, record) in enumerate(sorted(files.items())):
+        problem = check_file(folder / name, record) if i % world == rank else None
+        if problem:
+            mine = f"{name} {problem}"
+            break
+    return next((p for p in all_gather(mine) if p), None)
+
+
+def save_sharded(path: Path, model, optimizers: list, step: int, data_state: dict, fp: str, extra: dict) -> None:
+    """Every rank calls this: writes the checkpoint folder `path` (last.dcp/); the one it replaces becomes
+    prev.dcp/. As with a file, every moment of the sequence leaves one checkpoint that passes its check."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rank, _ = _rank()
+    tmp = temp_name(path)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs every file it writes
+    if rank == 0:
+        state = {"step": step, "data": data_state, "rng": rng_state(), "fingerprint": fp, "extra": extra}
+        write_atomic(tmp / TRAIN_STATE, lambda p: torch.save(state, p))
+    barrier()
+    record = _folder_record(tmp)
+    if rank == 0:
+        prev, files = path.with_name(PREV_DIR), _folder_files(path)
+        if path.exists() and files is not None:
+            shutil.rmtree(prev, ignore_errors=True)
+            _write_record(prev, {"files": files})  # prev.dcp fails its check until the rename; last.dcp passes
+            os.replace(path, prev)  # now prev.dcp passes and last.dcp is absent
+            fsync_dir(path.parent)
+        elif path.exists():  # a last.dcp whose save never committed: nothing to keep
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        _write_record(path, {"files": record})  # last: the commit point
+    barrier()
+
+
+def load_sharded(path: Path, model, optimizers: list, fp: str) -> tuple[dict | None, str]:
+    """Every rank calls this. Returns (train state, message): loads the newest intact checkpoint folder of
+    this configuration (last.dcp/, then prev.dcp/) into `model` and `optimizers`, resharding to this run's
+    rank count; (None, message) when there is none. Damaged folders are moved aside, never raised."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    notes = []
+    for candidate in (path, path.with_name(PREV_DIR)):
+        if not candidate.exists():
+            continue
+        problem, state = _folder_damage(candidate), None
+        if problem is None:
+            try:
+                state = torch.load(candidate / TRAIN_STATE, map_location="cpu", weights_only=False)
+            except Exception as e:
+                problem = f"cannot be read ({type(e).__name__}: {e})"
+        problem = next((p for p in all_gather(problem) if p), None)
+        if problem:
+            moved = broadcast(_move_aside(candidate) if _rank()[0] == 0 else None)
+            notes.append(f"damaged checkpoint {candidate} {problem}; moved aside to {moved}")
+            continue
+        if state.get("fingerprint") != fp:
+            notes.append(f"checkpoint {candidate} is from a different configuration or inputs")
+            continue
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=candidate)
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        which = "" if candidate == path else f" of {candidate}"
+        return state, "; ".join(notes + [f"resuming from checkpoint at step {state['step']}{which} "
+                                         f"(sharded, on {_rank()[1]} rank(s))"])
+    return None, "; ".join(notes) + "; starting from step 0" if notes else "no checkpoint: starting from step 0"

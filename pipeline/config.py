@@ -20,6 +20,7 @@ from model.precision.options import (BACKEND_NAMES, BACKEND_OPTIONS, AutoOptions
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
+PARALLEL = ("ddp", "fsdp")  # runtime.parallel
 
 
 class ConfigError(ValueError):
@@ -217,13 +218,47 @@ class RuntimeParams:
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
     nproc: int = 1
-    """Processes (GPUs) per training stage; > 1 launches torchrun (DDP) from the stage itself."""
+    """Processes (GPUs) per machine. With nproc > 1 or nnodes > 1 a training stage relaunches itself under
+    torchrun; started by a launcher (torchrun, Slurm's srun, mpirun) it joins that job instead, and the
+    launcher's layout wins over nproc, nnodes and node_rank."""
+    nnodes: int = 1
+    """Machines in the job. > 1 needs node_rank, rdzv_endpoint, and the project directory on a filesystem
+    every machine mounts at the same path (README, "Several machines")."""
+    node_rank: int = 0
+    """This machine's rank, 0 .. nnodes-1. Node 0's first process is global rank 0: it writes the model
+    directory, metrics and plots; every rank writes its part of an FSDP checkpoint."""
+    rdzv_endpoint: str = ""
+    """host:port of node 0, where the machines meet (torchrun's --master-addr/--master-port); also the
+    address an srun or mpirun job meets at when the launcher does not set MASTER_ADDR/MASTER_PORT."""
+    parallel: str = "ddp"
+    """ddp (every rank holds the whole model; gradients all-reduced) | fsdp (FSDP2 `fully_shard`:
+    weights, gradients and optimizer state sharded over the ranks; compute in the backend's dtype,
+    fp32 master weights; checkpoints through torch.distributed.checkpoint, loadable by any rank count)."""
+    timeout_s: int = 60
+    """Seconds a collective waits for a peer before the process group fails: the longest a rank outlives
+    one that vanished without closing its connections (a rank killed outright is noticed at once)."""
 
     def check(self, key: str) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{key}.device must be auto, cpu, cuda or cuda:N, got '{self.device}'")
         _choice(self.compile, ("auto", "on", "off"), f"{key}.compile")
-        _positive(self, key, "nproc")
+        _choice(self.parallel, PARALLEL, f"{key}.parallel")
+        _positive(self, key, "nproc", "nnodes", "timeout_s")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"{key}.node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), "
+                              f"got {self.node_rank}")
+        if self.rdzv_endpoint or self.nnodes > 1:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                why = f" (where the {self.nnodes} machines of {key}.nnodes meet)" if self.nnodes > 1 else ""
+                raise ConfigError(f"{key}.rdzv_endpoint must be host:port of node 0, e.g. spark-1:29500{why}; "
+                                  f"got '{self.rdzv_endpoint}'")
+
+    @property
+    def master(self) -> tuple[str, int]:
+        """(host, port) of rdzv_endpoint."""
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        return host.strip("[]"), int(port)
 
 
 @dataclass

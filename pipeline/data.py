@@ -16,9 +16,10 @@ passes for a finished one.
 - `ChatBatches` (sft): one conversation per row, padded; targets are masked (-1) everywhere except
   the assistant's own tokens, so SFT learns only what the assistant says.
 
-Both hand out batches for one rank of `world` ranks (ranks read disjoint tokens), and
-`state()`/`load_state()` carry the position so a resumed run reads exactly the batches an
-uninterrupted run would.
+Both hand out batches for one rank of `world` ranks (ranks read disjoint batches, numbered in the
+single-process order, so a step reads the same rows on any number of ranks: `_GlobalOrder`), and
+`state()`/`load_state()` carry the position so a resumed run, on this rank count or another, reads
+exactly the batches an uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -129,15 +130,55 @@ def open_tokens(split: Path, tok=None) -> TokenSplit:
 
 # -- batches ---------------------------------------------------------------------------------------
 
-class TokenStream:
+class _GlobalOrder:
+    """Batches numbered across ranks: global batch g is the g-th of the single-process order; rank r of
+    `world` takes g = consumed + r, then every rank moves on by `world`. So a step's batches (grad_accum
+    x world of them) are the same rows whatever the number of ranks, and a position (`state()`: batch
+    `pos` of epoch `epoch`) means the same on any number of ranks: a checkpoint resumes on another rank
+    count at the batch an uninterrupted run would read next."""
+    batch: int
+    seq_len: int
+    rank: int
+    world: int
+    consumed: int  # global batches handed out before this round (the same on every rank)
+    # batches from this global index on come with every target ignored (an evaluation of a set number
+    # of batches on any rank count: every rank runs as many forwards, the surplus counts nothing)
+    limit: int | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def micro_steps_per_epoch(self) -> int:
+        """Batches each rank reads in an epoch."""
+        return self.batches_per_epoch // self.world
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.batches_per_epoch
+
+    def _take(self) -> tuple[int, int, bool]:
+        """(epoch, index within it, whether it counts: below `limit`) of this rank's next batch."""
+        g = self.consumed + self.rank
+        self.consumed += self.world
+        return *divmod(g, self.batches_per_epoch), self.limit is None or g < self.limit
+
+    def state(self) -> dict:
+        return {"pos": self.consumed % self.batches_per_epoch, "epoch": self.epoch}
+
+    def load_state(self, s: dict) -> None:
+        self.consumed = s["epoch"] * self.batches_per_epoch + s["pos"]
+
+
+class TokenStream(_GlobalOrder):
     def __init__(self, tokens: np.ndarray, batch: int, seq_len: int, rank: int = 0, world: int = 1,
                  device: torch.device | str | None = None):
         self.tokens, self.batch, self.seq_len, self.rank, self.world = tokens, batch, seq_len, rank, world
-        self.window = batch * seq_len  # tokens one rank consumes per micro-step (targets shift by one)
-        if len(tokens) < self.window * world + 1:
-            raise ValueError(f"only {len(tokens)} tokens: too few for one batch of {batch}x{seq_len} on {world} rank(s)")
-        self.pos = 0  # micro-steps taken (same on every rank)
-        self.epoch = 0
+        self.window = batch * seq_len  # tokens one batch holds (targets shift by one)
+        if len(tokens) < self.window + 1:
+            raise ValueError(f"only {len(tokens)} tokens: too few for one batch of {batch}x{seq_len}")
+        self.consumed = 0
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda":
             # two pinned buffers, each reused only once the copy that last read it has finished
@@ -145,35 +186,28 @@ class TokenStream:
             self._copied: list = [None, None]
 
     @property
-    def micro_steps_per_epoch(self) -> int:
-        return (len(self.tokens) - 1) // (self.window * self.world)
+    def batches_per_epoch(self) -> int:
+        return (len(self.tokens) - 1) // self.window
 
     def next(self):
-        if self.pos >= self.micro_steps_per_epoch:
-            self.pos, self.epoch = 0, self.epoch + 1
-        start = (self.pos * self.world + self.rank) * self.window
+        _, index, counts = self._take()
+        start = index * self.window
         chunk = self.tokens[start:start + self.window + 1]
-        self.pos += 1
         if self.device is None or self.device.type != "cuda":
             buf = torch.from_numpy(chunk.astype(np.int64))
         else:
-            i = self.pos % 2
+            i = (self.consumed // self.world) % 2
             if self._copied[i] is not None:
                 self._copied[i].synchronize()
             np.copyto(self._pinned[i].numpy(), chunk, casting="unsafe")
             buf = self._pinned[i].to(self.device, non_blocking=True)
             self._copied[i] = torch.cuda.Event()
             self._copied[i].record()
-        return buf[:-1].view(self.batch, self.seq_len), buf[1:].view(self.batch, self.seq_len)
-
-    def state(self) -> dict:
-        return {"pos": self.pos, "epoch": self.epoch}
-
-    def load_state(self, s: dict) -> None:
-        self.pos, self.epoch = s["pos"], s["epoch"]
+        x, y = buf[:-1].view(self.batch, self.seq_len), buf[1:].view(self.batch, self.seq_len)
+        return x, y if counts else torch.full_like(y, IGNORE)
 
 
-class ChatBatches:
+class ChatBatches(_GlobalOrder):
     def __init__(self, split: TokenSplit, pad_id: int, batch: int, seq_len: int, pad_to_seq_len: bool, seed: int,
                  rank: int = 0, world: int = 1):
         if split.offsets is None:
@@ -189,10 +223,10 @@ class ChatBatches:
         self.batch, self.seq_len, self.pad_to_seq_len = batch, seq_len, pad_to_seq_len
         self.rank, self.world, self.seed = rank, world, seed
         self.pad_id = pad_id
-        if len(self.rows) < batch * world:
-            raise ValueError(f"only {len(self.rows)} conversations: too few for a batch of {batch} on {world} rank(s)")
-        self.pos, self.epoch = 0, 0
-        self._order = self._shuffled(0)
+        if len(self.rows) < batch:
+            raise ValueError(f"only {len(self.rows)} conversations: too few for a batch of {batch}")
+        self.consumed = 0
+        self._order = (0, self._shuffled(0))  # (epoch, its order): a rank's batches go through epochs in turn
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -200,16 +234,15 @@ class ChatBatches:
         return order
 
     @property
-    def micro_steps_per_epoch(self) -> int:
-        return len(self.rows) // (self.batch * self.world)
+    def batches_per_epoch(self) -> int:
+        return len(self.rows) // self.batch
 
     def next(self):
-        if self.pos >= self.micro_steps_per_epoch:
-            self.pos, self.epoch = 0, self.epoch + 1
-            self._order = self._shuffled(self.epoch)
-        start = (self.pos * self.world + self.rank) * self.batch
-        picked = [self.rows[i] for i in self._order[start:start + self.batch]]
-        self.pos += 1
+        epoch, index, counts = self._take()
+        if self._order[0] != epoch:
+            self._order = (epoch, self._shuffled(epoch))
+        start = index * self.batch
+        picked = [self.rows[i] for i in self._order[1][start:start + self.batch]]
         width = self.seq_len if self.pad_to_seq_len else max(n for _, n in picked) - 1
         x = torch.full((self.batch, width), self.pad_id, dtype=torch.long)
         y = torch.full((self.batch, width), IGNORE, dtype=torch.long)
@@ -218,11 +251,4 @@ class ChatBatches:
             keep = torch.from_numpy(self.split.mask[s + 1:s + n].astype(bool))
             x[r, :n - 1] = ids[:-1]
             y[r, :n - 1] = torch.where(keep, ids[1:], torch.full_like(ids[1:], IGNORE))
-        return x, y
-
-    def state(self) -> dict:
-        return {"pos": self.pos, "epoch": self.epoch}
-
-    def load_state(self, s: dict) -> None:
-        self.pos, self.epoch = s["pos"], s["epoch"]
-        self._order = self._shuffled(self.epoch)
+        return x, y if counts else torch.full_like(y, IGNORE)

@@ -4,9 +4,11 @@
   1. picks the device and the precision backend, and checks the backend can run here (before any data
      is read or anything written: a refusal costs nothing);
   2. builds the model (pretrain: from the depth dial; later stages: from the previous stage's model
-     directory), applies the backend (the one place low precision enters), builds Muon+AdamW, compiles
-     on CUDA, wraps in DDP when launched by torchrun;
-  3. resumes from the stage's checkpoint if one matches this configuration;
+     directory), applies the backend (the one place low precision enters), compiles on CUDA, spreads
+     it over the ranks (model/parallel.py: DDP, or FSDP2 with `runtime.parallel: fsdp`) and builds
+     Muon+AdamW;
+  3. resumes from the stage's checkpoint if one matches this configuration (written on any number of
+     ranks: the data order and a step's batches do not depend on it);
   4. trains with gradient accumulation to `total_batch_tokens`, a warmup/constant/warmdown schedule,
      a progress bar (tokens/s, ETA), periodic val bits-per-byte and atomic checkpoints;
   5. writes the model directory (full-precision safetensors), metrics JSON and a TSV plot.
@@ -14,9 +16,9 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-import os
+import secrets
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -29,17 +31,19 @@ from tqdm import tqdm
 from model.gpt import GPT, GPTConfig
 from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
+from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
 from model.precision import get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
-from .checkpoint import fingerprint, load_checkpoint, remove_checkpoints, save_checkpoint, set_rng_state
-from .config import Params, TrainParams, n_kv_head, steps_for_tokens
+from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, remove_checkpoints, save_checkpoint,
+                         save_sharded, set_rng_state)
+from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
 from .data import ChatBatches, DataError, TokenStream, open_tokens
 from .metrics import TSVLog, write_json
-from .runtime import log, resolve_device, setup_distributed
+from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
 STAGES = {
@@ -48,8 +52,9 @@ STAGES = {
     "midtrain": (M["pretrain"], paths.MID_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["midtrain"]),
     "sft": (M["midtrain"], paths.SFT_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["sft"]),
 }
-CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256). A killed stage "
-                   "resumes from them on the next `dvc repro`; a finished one removes them.\n")
+CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256; under FSDP the "
+                   "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
+                   "one removes them.\n")
 TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "gpu_idle_frac")  # in the metrics, not the model dir
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
@@ -138,7 +143,7 @@ def make_batches(stage: str, split: Path, tok, p: Params, t: TrainParams, seq_le
     tokens = open_tokens(split, tok)
     if stage in ("pretrain", "midtrain"):
         # a small validation split may hold fewer rows than a training batch: use what there is
-        rows = min(t.device_batch, max(1, (len(tokens.ids) - 1) // (seq_len * world)))
+        rows = min(t.device_batch, max(1, (len(tokens.ids) - 1) // seq_len))
         return TokenStream(tokens.ids, rows if "val" in split.name else t.device_batch, seq_len, rank, world, device)
     return ChatBatches(tokens, tok.special["<|assistant_end|>"], t.device_batch, seq_len, pad_fixed, seed=t.seed,
                        rank=rank, world=world)
@@ -151,26 +156,74 @@ def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int
         matmul_params = model.num_params() - model.wte.weight.numel()
         steps = steps_for_tokens(t.param_data_ratio * matmul_params, t.total_batch_tokens)
     else:
-        return max(1, math.ceil(t.epochs * batches.micro_steps_per_epoch / grad_accum))
-    passes = steps * grad_accum / batches.micro_steps_per_epoch
+        return max(1, math.ceil(t.epochs * batches.batches_per_epoch / (grad_accum * batches.world)))
+    passes = steps * grad_accum * batches.world / batches.batches_per_epoch
     if stage == "pretrain" and passes > 1:  # prepare's token budget guessed the characters per token low
         log(f"pretrain: {steps} steps read {passes:.2f}x the tokens in the token files, so the text repeats "
             f"(raise data.pretrain_tokens)")
     return steps
 
 
-def train(stage: str, p: Params) -> dict:
-    t: TrainParams = getattr(p, stage)
-    init_dir, train_file, val_file, out_dir = STAGES[stage]
-    device = resolve_device(p.runtime.device)
+def stage_backend(stage: str, p: Params):
+    """The stage's precision backend, refusing a `runtime.parallel` it cannot run under (checked again in
+    every rank, and first by the process that relaunches under torchrun: one message, not one per rank)."""
     pr = p.precision
     name = p.backend_for(stage)
     backend = get_backend(name, pr.options_for(name), pr.layer_filter)
-    backend.check(device)  # fail before any work
-    rank, world, device = setup_distributed(device)
+    backend.check_parallel(p.runtime.parallel)
+    return backend
+
+
+def check_shared_folder(folder: Path, rank: int) -> None:
+    """Every rank must see the files rank 0 writes (checkpoints, and the outputs the next stage reads):
+    on several machines, the project directory must be on a filesystem they all mount. Fails on every
+    rank, naming the machines that do not see it, instead of a hang or a half-written checkpoint."""
+    token, where = broadcast((secrets.token_hex(8), str(folder.resolve())) if rank == 0 else None)
+    probe = folder / ".rank0"
+    if rank == 0:
+        probe.write_text(token)
+    all_gather(None)  # a barrier: rank 0's file is written
+    seen = probe.is_file() and probe.read_text() == token
+    blind = sorted({host for ok, host in all_gather((seen, socket.gethostname())) if not ok})
+    if rank == 0:  # every rank has looked (the gather above)
+        probe.unlink()
+    if blind:
+        raise LaunchError(f"{', '.join(blind)} cannot see the files rank 0 writes in {where}: a job on "
+                          f"several machines needs the project directory on a filesystem every machine mounts at "
+                          f"the same path (README, \"Several machines\")")
+
+
+def train(stage: str | None, p: Params) -> dict:
+    """Runs `stage`, or with None (a rank `sparkchat join` started) the stage global rank 0 runs."""
+    device = resolve_device(p.runtime.device)
+    backend = stage_backend(stage, p) if stage else None
+    if backend:
+        backend.check(device)  # fail before any work
+    sharded = p.runtime.parallel == "fsdp"
+    # FSDP shards over a process group even on one rank (its checkpoints then load on any number)
+    rank, world, device = setup_distributed(device, p.runtime.timeout_s, always=sharded)
+    if world > 1:  # rank 0 says which stage runs: a joining rank takes it, a rank started for another stops
+        leader = broadcast(stage)
+        if stage is None:
+            stage, p = leader, load_params(stage=leader)
+            backend = stage_backend(stage, p)
+            backend.check(device)
+        elif leader != stage:
+            raise LaunchError(f"global rank 0 runs the {leader} stage, but this machine started {stage}")
+    backend.check_parallel(p.runtime.parallel)  # auto knows its backend now
+    t: TrainParams = getattr(p, stage)
+    init_dir, train_file, val_file, out_dir = STAGES[stage]
     if p.runtime.threads:
         torch.set_num_threads(p.runtime.threads)
     torch.manual_seed(t.seed + rank)
+    ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
+    # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
+    # folder (which DVC warns about) once a finished stage has removed its checkpoints
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
+    if world > 1:
+        check_shared_folder(ckpt_path.parent, rank)
 
     tok = SparkTokenizer.load(paths.TOKENIZER)
     model = build_model(stage, p, tok, device)
@@ -184,50 +237,53 @@ def train(stage: str, p: Params) -> dict:
     tokens_per_micro = t.device_batch * seq_len * world
     grad_accum = max(1, t.total_batch_tokens // tokens_per_micro)
     steps = total_steps(stage, t, model, train_batches, grad_accum)
+    raw_model = model
+    if sharded:
+        # compiled block by block before sharding: FSDP's gathers run between the compiled blocks
+        if use_compile:
+            compile_model(model, regional=True)
+        model = raw_model = fsdp(model, backend.compute_dtype(device))
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
 
-    ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
-    # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
-    # folder (which DVC warns about) once a finished stage has removed its checkpoints
-    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-    (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
     # the token indexes and the starting model's checksums.json hold each file's sha256 (the model's
     # verified as it loaded): hashing them stands for hashing the files again (a model directory
-    # without checksums loads unverified: then its weights themselves)
+    # without checksums loads unverified: then its weights themselves). Not the rank count: a step reads
+    # the same batches on any number of ranks, so a checkpoint resumes on another one
     inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER]
     if init_dir:
         inputs.append(init_dir / CHECKSUMS if (init_dir / CHECKSUMS).is_file() else init_dir / "model.safetensors")
     fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
-                      "precision": asdict(pr),
-                      "backend": backend.name, "world": world}, inputs)
-    ckpt, msg = load_checkpoint(ckpt_path, fp)
-    if ckpt is not None and any(k.endswith("attn.c_q.weight") for k in ckpt["model"]):
-        ckpt, msg = None, f"{ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
+                      "precision": asdict(p.precision), "backend": backend.name, "parallel": p.runtime.parallel,
+                      "batches_per_step": grad_accum * world}, inputs)
     start_step, history = 0, {}
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_batches.load_state(ckpt["data"])
-        set_rng_state(ckpt["rng"])
-        start_step, history = ckpt["step"], ckpt["extra"]
+    if sharded:
+        state, msg = load_sharded(ckpt_path.with_name(LAST_DIR), model, optimizer.optimizers, fp)
+    else:
+        state, msg = load_checkpoint(ckpt_path, fp)
+        if state is not None and any(k.endswith("attn.c_q.weight") for k in state["model"]):
+            state, msg = None, f"{ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
+        if state is not None:
+            model.load_state_dict(state["model"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+    if state is not None:
+        train_batches.load_state(state["data"])
+        set_rng_state(state["rng"])
+        start_step, history = state["step"], state["extra"]
     log(f"{stage}: {msg}")
-    log(f"{stage}: {model.num_params():,} params, {steps} steps x {grad_accum} micro-steps x "
+    log(f"{stage}: {raw_model.num_params():,} params, {steps} steps x {grad_accum} micro-steps x "
         f"{t.device_batch}x{seq_len} tokens x {world} rank(s) = {steps * grad_accum * tokens_per_micro:,} tokens "
-        f"on {device}{' (compiled)' if use_compile else ''}")
+        f"on {device}{' (compiled)' if use_compile else ''}"
+        f"{', FSDP' if sharded else ', DDP' if world > 1 else ''}")
 
-    raw_model = model
-    if use_compile:
-        model = compile_model(model, backend.compile_regions)
-    if world > 1:
-        # no buffer sync each forward: it would hand every rank rank 0's fp8 amax histories; the backend
-        # reduces those itself (sync_ranks), and the other buffers (RoPE tables) agree already. torch
-        # 2.13 renamed the switch (forward_sync_buffers); 2.11 knows only broadcast_buffers
-        DDP = torch.nn.parallel.DistributedDataParallel
-        no_sync_kw = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **{no_sync_kw: False})
+    if not sharded:
+        if use_compile:
+            model = compile_model(model, backend.compile_regions)
+        if world > 1:
+            model = ddp(model, device)
     autocast = backend.autocast(device)
     tbytes = token_bytes(tok, device)
-    eval_batches = max(1, t.eval_tokens // tokens_per_micro)
+    # the same validation batches on any number of ranks (each rank runs its share)
+    eval_batches = max(1, t.eval_tokens // (val_batches.batch * seq_len))
     flops, peak = raw_model.flops_per_token(), peak_flops(device)
     # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
     # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
@@ -238,7 +294,8 @@ def train(stage: str, p: Params) -> dict:
     def run_eval() -> float:
         model.eval()
         val_batches.load_state({"pos": 0, "epoch": 0})
-        bpb = evaluate_bpb(model, val_batches, eval_batches, tbytes, device, autocast)
+        val_batches.limit = eval_batches
+        bpb = evaluate_bpb(model, val_batches, math.ceil(eval_batches / world), tbytes, device, autocast)
         model.train()
         return bpb
 
@@ -258,7 +315,8 @@ def train(stage: str, p: Params) -> dict:
             idle.start()
             x, y = train_batches.next()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            sync = model.no_sync() if world > 1 and micro < grad_accum - 1 else contextlib.nullcontext()
+            # DDP all-reduces only in the last micro-step's backward; FSDP reduce-scatters every one
+            sync = model.no_sync() if world > 1 and not sharded and micro < grad_accum - 1 else contextlib.nullcontext()
             with sync, autocast:
                 loss = model(x, y)
             (loss / grad_accum).backward()
@@ -276,6 +334,9 @@ def train(stage: str, p: Params) -> dict:
         evaluate_now = done % t.eval_every == 0 or done == steps
         row = done % t.log_every == 0 or evaluate_now  # a plot row: its loss is this step's
         if row or done == start_step + 1:
+            if world > 1:  # the step's loss over every rank's batches, as one process would report it
+                dist.all_reduce(loss_sum)
+                loss_sum /= world
             loss_value = float(loss_sum) / grad_accum  # the only host sync per logged step
             dt = time.perf_counter() - t0
             tps = grad_accum * tokens_per_micro / dt
@@ -292,8 +353,12 @@ def train(stage: str, p: Params) -> dict:
             history["val_bpb"] = val_bpb
         if plot is not None and row:
             plot.log(step=done, loss=loss_value, lr=mult, val_bpb=val_bpb if val_bpb else "")
-        if rank == 0 and (done % t.checkpoint_every == 0 and done < steps):
-            save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
+        if done % t.checkpoint_every == 0 and done < steps:
+            if sharded:  # every rank writes its shards
+                save_sharded(ckpt_path.with_name(LAST_DIR), model, optimizer.optimizers, done, train_batches.state(),
+                             fp, history)
+            elif rank == 0:
+                save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
         bar.update(1)
     bar.close()
     sustained = None
@@ -311,31 +376,28 @@ def train(stage: str, p: Params) -> dict:
         metrics["tokens_per_s_sustained"] = sustained  # every step after the first this run made
     if idle.fraction() is not None:
         metrics["gpu_idle_frac"] = idle.fraction()  # of the logged steps after the first
+    weights = full_state_dict(model) if sharded else None  # gathered onto rank 0 (every rank takes part)
     if rank == 0:
         # the model directory (a DVC output) holds no timings, so the same run gives the same hash
         save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **{k: v for k, v in metrics.items()
-                                                                          if k not in TIMINGS}})
+                                                                          if k not in TIMINGS}},
+                       state_dict=weights)
         write_json(paths.metrics_file(stage), metrics)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
         remove_checkpoints(ckpt_path)
         log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return metrics
 
 
 def main(stage: str) -> None:
-    from .config import ConfigError, load_params
+    from .config import ConfigError
     from model.precision import BackendUnavailable
     try:
         p = load_params(stage=stage)
-        if p.runtime.nproc > 1 and "WORLD_SIZE" not in os.environ:
-            # relaunch this stage under torchrun, one process per GPU (DDP)
-            import subprocess
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={p.runtime.nproc}", "-m", f"pipeline.{stage}"]
-            raise SystemExit(subprocess.call(cmd))
-        train(stage, p)
-    except (ConfigError, BackendUnavailable, ModelDirError, DataError) as e:
+        stage_backend(stage, p)
+        launch(p.runtime, f"pipeline.{stage}", lambda: train(stage, p))
+    except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError) as e:
         raise SystemExit(f"{stage}: {e}") from None

@@ -17,6 +17,8 @@ COMMANDS = {
     "chat": ("sparkchat.chat", "talk to a model directory in the terminal"),
     "serve": ("serve.__main__", "OpenAI-compatible API and a Gradio chat page over a model directory"),
     "probe": ("pipeline.probe", "which precision backends run on this machine, and what each one buys"),
+    "join": ("pipeline.join", "on machine N of a multi-machine job: run its part of every training stage"),
+    "link-check": ("pipeline.linkcheck", "check and time the link between the ranks of a multi-machine job"),
 }
 
 
@@ -32,11 +34,12 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    listing = "\n".join(f"  {name:<8}{line}" for name, (_, line) in COMMANDS.items())
+    width = max(map(len, COMMANDS)) + 2
+    listing = "\n".join(f"  {name:<{width}}{line}" for name, (_, line) in COMMANDS.items())
     ap = argparse.ArgumentParser(prog="sparkchat", usage="%(prog)s [-h] [--version] COMMAND [FLAGS ...]",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="Chat with the model the pipeline trained, serve it, or probe "
-                                 "the precision backends.\n\ncommands:\n" + listing,
+                                 description="Chat with the model the pipeline trained, serve it, probe "
+                                 "the precision backends, or train across machines.\n\ncommands:\n" + listing,
                                  epilog="`sparkchat COMMAND --help` lists a command's flags.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of: %(choices)s")

@@ -43,7 +43,7 @@ def test_help_lists_the_commands():
         assert re.search(rf"^  {name} ", r.stdout, re.M), name
 
 
-@pytest.mark.parametrize("cmd", ["chat", "serve", "probe"])
+@pytest.mark.parametrize("cmd", ["chat", "serve", "probe", "join", "link-check"])
 def test_command_help_shows_every_default(cmd):
     r = sparkchat(cmd, "--help")
     assert r.returncode == 0, r.stderr
@@ -59,7 +59,7 @@ def test_flags_without_default_finds_one():  # the check above can fail
 HEAVY = ("torch", "fastapi", "gradio", "uvicorn", "transformer_engine")
 
 
-@pytest.mark.parametrize("cmd", ["", "chat", "serve", "probe"])
+@pytest.mark.parametrize("cmd", ["", "chat", "serve", "probe", "join", "link-check"])
 def test_help_imports_nothing_heavy(cmd):
     """`--help` must answer at once: parsing it loads none of the heavy packages (checked, not timed)."""
     argv = [cmd, "--help"] if cmd else ["--help"]

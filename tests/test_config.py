@@ -35,7 +35,7 @@ def test_every_profile_loads_and_validates(profile):
 
 
 def test_profiles_exist():
-    assert {"h200", "node8", "spark"} <= set(PROFILES)
+    assert {"h200", "node8", "spark", "spark-pair"} <= set(PROFILES)
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -60,6 +60,13 @@ def test_profiles_exist():
     (lambda d: d["pretrain"].update(warmup_frac=0.8, warmdown_frac=0.5), "pretrain.warmup_frac"),
     (lambda d: d["data"].update(pretrain_sources="builtin:shakespeare"), "data.pretrain_sources"),
     (lambda d: d["runtime"].update(device="tpu"), "runtime.device"),
+    (lambda d: d["runtime"].update(parallel="zero3"), "runtime.parallel must be one of ddp, fsdp"),
+    (lambda d: d["runtime"].update(nnodes=0), "runtime.nnodes must be > 0"),
+    (lambda d: d["runtime"].update(nnodes=2, rdzv_endpoint="node0:29500", node_rank=2), "runtime.node_rank must be in 0..1"),
+    (lambda d: d["runtime"].update(nnodes=2), "runtime.rdzv_endpoint must be host:port of node 0, e.g. spark-1:29500 (where the 2 machines"),
+    (lambda d: d["runtime"].update(rdzv_endpoint="node0"), "runtime.rdzv_endpoint must be host:port"),
+    (lambda d: d["runtime"].update(rdzv_endpoint="node0:99999"), "runtime.rdzv_endpoint must be host:port"),
+    (lambda d: d["runtime"].update(timeout_s=0), "runtime.timeout_s must be > 0"),
     (lambda d: d.update(profile="nope"), "profile 'nope'"),
 ])
 def test_bad_values_name_the_key(edit, key):

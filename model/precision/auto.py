@@ -98,6 +98,10 @@ class AutoBackend(PrecisionBackend):
         return self.chosen.compile_regions if self.chosen else False
 
     @property
+    def supports_fsdp(self):
+        return self.chosen.supports_fsdp if self.chosen else True
+
+    @property
     def emulated(self):
         return self.chosen.emulated if self.chosen else False
 

@@ -75,6 +75,9 @@ class PrecisionBackend:
     # not trace (TE), whose graph break inside the layer loop would leave everything outside the
     # blocks (embedding, head, loss) uncompiled
     compile_regions: ClassVar[bool] = False
+    # runs under FSDP2 (model/parallel.py): its converted modules compute from the model's own weight
+    # Parameters, which FSDP gathers before each forward
+    supports_fsdp: ClassVar[bool] = True
 
     def __init__(self, options: Options | None = None, layer_filter: LayerFilter | None = None):
         if options is not None and not isinstance(options, Options):
@@ -87,6 +90,14 @@ class PrecisionBackend:
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None when the backend can run on `device`, else why not (missing package, capability...)."""
         return None
+
+    def check_parallel(self, parallel: str) -> None:
+        """Raises BackendUnavailable when this backend cannot train under `parallel` (ddp | fsdp)."""
+        if parallel == "fsdp" and not self.supports_fsdp:
+            raise BackendUnavailable(
+                f"precision backend '{self.label}' does not run under runtime.parallel=fsdp (its modules keep "
+                f"weights of their own, which FSDP would not shard); use runtime.parallel=ddp, or a backend that "
+                f"does: {', '.join(fsdp_backends())}")
 
     def check(self, device: torch.device) -> None:
         reason = self.unavailable_reason(device)
@@ -137,6 +148,11 @@ class PrecisionBackend:
     def label(self) -> str:
         """Name plus the options that change numerics, e.g. 'te-fp8[current]'."""
         return self.name
+
+
+def fsdp_backends() -> list[str]:
+    from .registry import BACKENDS  # late import: the registry imports this module
+    return [n for n, cls in BACKENDS.items() if cls.supports_fsdp]
 
 
 def compile_model(model: nn.Module, regional: bool = False) -> nn.Module:

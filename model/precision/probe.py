@@ -136,7 +136,7 @@ def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer
         i = (step * batch) % n_rows
         chunk = data[i:i + batch]
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-        clock = _Clock(device)
+        clock = StepClock(device)
         with backend.autocast(device):
             loss = run(x, y)
         loss.backward()
@@ -162,7 +162,7 @@ def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer
     return res
 
 
-class _Clock:
+class StepClock:
     """Seconds from construction to `mark()` and to `stop()`, read later with `read()`: CUDA events on a
     GPU (nothing waits until `read`), the host clock on a CPU, where work is synchronous."""
 

@@ -84,6 +84,7 @@ class TEFp8Backend(PrecisionBackend):
         self._recipe = None
 
     compile_regions = True  # a TE module is a graph break: compile block by block around it
+    supports_fsdp = False  # TE keeps FP8 metadata per module and needs its own FSDP2 hooks: not wired here
 
     @property
     def supports_compile(self) -> bool:  # instance property over the class attribute
