@@ -316,7 +316,7 @@ class Engine:
         self.lens = [0] * config.max_batch  # tokens each cache row holds (the host's copy: no reads back)
         # per row: how often each id was generated (penalties) and the logit bias; rows move with their
         # request. Read only by steps whose rows ask for extras (SamplingParams.extras)
-        V = model.config.vocab_size
+        self.vocab_size = V = model.config.vocab_size
         self.counts = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
         self.bias = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
         self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
@@ -344,7 +344,7 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
-        V = self.model.config.vocab_size
+        V = self.vocab_size
         bad = next((t for t in prompt if not 0 <= t < V), None)  # an id past the vocabulary would crash a kernel
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{V - 1})")

@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI chat completions API, as this server implements it.
+"""Request and response bodies of the OpenAI chat completions and completions APIs, as this server
+implements them.
 
 Field names, types and defaults follow OpenAI's API reference, strictly (`"store": 0` is not a
 boolean). Unknown fields are refused (`extra="forbid"`); fields that only describe the request to the
@@ -13,8 +14,11 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from model.engine import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
+
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 8
+MAX_PROMPTS = 64  # prompts in one completions request (each runs as n engine requests)
 
 
 class _Strict(BaseModel):
@@ -37,42 +41,72 @@ class StreamOptions(_Strict):
 
 # parameter -> the value at which it does nothing (the only value accepted)
 UNSUPPORTED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0,
-    "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
+    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
     "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
+COMPLETIONS_UNSUPPORTED = {"best_of": 1, "suffix": None}
 # accepted with any value of their type, and ignored: they change nothing a local model could do
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier")
 
 
-class ChatCompletionRequest(_Strict):
+class _Sampling(_Strict):
+    """The sampling fields both endpoints share."""
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1,
                                  description="extension: sample from the k likeliest (0: all)")
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)  # choice i uses seed + i
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    frequency_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description=f"token id (as a string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit")
+    user: Optional[str] = None
 
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v):
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"keys must be token ids written as decimal strings, got {k!r}")
+            if not (-MAX_BIAS <= b <= MAX_BIAS):
+                raise ValueError(f"values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b} for token {k}")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def bias(self) -> dict[int, float] | None:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    logit_bias: Optional[dict] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list] = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list] = None
     function_call: Union[str, dict, None] = None
     response_format: Optional[dict] = None
-    user: Optional[str] = None
     metadata: Optional[dict] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -85,22 +119,41 @@ class ChatCompletionRequest(_Strict):
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
     def unsupported(self) -> list[str]:
         """Parameters set to something this server would have to ignore."""
         return [k for k, noop in UNSUPPORTED.items()
+                if getattr(self, k) is not None and getattr(self, k) != noop]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        description="text, texts, token ids, or lists of token ids (a text prompt starts after <|bos|>, as a "
+                    "document did in pretraining; token ids are used as given)")
+    max_tokens: Optional[int] = Field(None, ge=0, description="0: no completion, only the prompt (with echo)")
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt list is empty")
+            if len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
+            if any(isinstance(p, list) and not p for p in v):
+                raise ValueError("a prompt of token ids is empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+    def unsupported(self) -> list[str]:
+        return [k for k, noop in COMPLETIONS_UNSUPPORTED.items()
                 if getattr(self, k) is not None and getattr(self, k) != noop]
 
 
@@ -118,10 +171,25 @@ class AssistantMessage(BaseModel):
     refusal: Optional[str] = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -147,7 +215,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[Literal["stop", "length"]] = None
 
 
@@ -157,6 +225,32 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: one entry per token (the echoed prompt's first, when asked; a
+    prompt's first token has no logprob)."""
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
 

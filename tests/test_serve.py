@@ -152,8 +152,15 @@ def test_n2_and_seeds(client):
 
 @pytest.mark.parametrize("kw, param", [
     ({"extra_body": {"foo": 1}}, "foo"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logprobs": True}, "logprobs"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"temperature": 3}, "temperature"),
     ({"n": 0}, "n"),
     ({"seed": 2**70}, "seed"),
