@@ -1,6 +1,7 @@
 """The FastAPI app: routes, lifespan and wiring. Logic lives in serving.py, bodies in schemas.py.
 
     POST /v1/chat/completions   OpenAI chat completions, JSON or SSE (`stream: true`)
+    POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
     GET  /v1/models             the one served model
     GET  /health                503 while the model loads (or failed to), then 200
     GET  /metrics               Prometheus text format
@@ -25,12 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparkchat import paths
 
-from . import errors, serving
+from . import completions, errors, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
-from .schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, Model, ModelList
+from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
 log = logging.getLogger("sparkchat.serve")
 
@@ -83,19 +84,28 @@ def get_runtime(request: Request) -> Runtime:
 
 
 router = APIRouter()
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                        429: {"model": ErrorResponse}})
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runtime = get_runtime(request)
     prompt = serving.check(body, runtime)
     if body.stream:
         frames = serving.stream(body, runtime, prompt)
-        return StreamingResponse(frames, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     return await serving.complete(body, runtime, prompt, request)
+
+
+@router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+async def text_completions(body: CompletionRequest, request: Request):
+    runtime = get_runtime(request)
+    prompts = completions.check(body, runtime)
+    if body.stream:
+        return StreamingResponse(completions.stream(body, runtime, prompts), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await completions.complete(body, runtime, prompts, request)
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -119,7 +119,7 @@ def token_logprobs(tok: SparkTokenizer, tokens: list[Token]) -> ChoiceLogprobs:
                                    for t in tokens])
 
 
-def _finish_reason(s: TextStream) -> str:
+def finish_reason(s: TextStream) -> str:
     return "length" if s.finish_reason == "length" else "stop"
 
 
@@ -185,7 +185,7 @@ def sse(body: dict) -> str:
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
     streams = _chat_streams(req, runtime, prompt)
     texts = await collect(streams, raw)
-    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=_finish_reason(s),
+    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=finish_reason(s),
                       logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
                for i, (t, s) in enumerate(zip(texts, streams))]
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=runtime.model_id,
@@ -203,7 +203,8 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
         return sse(c.model_dump(exclude={"usage"} if not include_usage else None))
 
     def logprobs(s: TextStream) -> ChoiceLogprobs | None:
-        return token_logprobs(runtime.tokenizer, s.take_tokens()) if req.logprobs else None
+        tokens = s.take_tokens() if req.logprobs else []
+        return token_logprobs(runtime.tokenizer, tokens) if tokens else None
 
     async def frames():
         try:
@@ -213,7 +214,7 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
                 async for i, piece in pieces:
                     s = streams[i]
                     if piece is None:  # tokens whose text was held back (a possible stop string) come last
-                        yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=_finish_reason(s),
+                        yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish_reason(s),
                                                  logprobs=logprobs(s))])
                     else:
                         yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=logprobs(s))])
