@@ -73,7 +73,7 @@ class _Logprobs:
 
     def _token(self, i: int) -> tuple[str, bytes]:
         b = self.tok.token_bytes(i)
-        return b.decode("utf-8", "replace"), b
+        return serving.token_str(b), b
 
     def part(self, entries: list[tuple[int, float | None, list | None]]) -> CompletionLogprobs:
         """entries: (id, logprob, top (id, logprob) pairs), None for a prompt's first id."""

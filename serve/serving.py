@@ -108,11 +108,20 @@ def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int
     return open_streams(runtime, jobs, req.stop_list())
 
 
+def token_str(b: bytes) -> str:
+    """A token's bytes as the API shows them: the text, or, when they are not whole UTF-8 characters,
+    OpenAI's "bytes:\\xe4\\xbd" form (so distinct tokens never share a name)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
 def token_logprobs(tok: SparkTokenizer, tokens: list[Token]) -> ChoiceLogprobs:
-    """Chat's logprobs shape: each token as text (its bytes too: a token may end inside a character)."""
+    """Chat's logprobs shape: each token as text, and its bytes."""
     def entry(i: int, logprob: float) -> dict:
         b = tok.token_bytes(i)
-        return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+        return {"token": token_str(b), "logprob": logprob, "bytes": list(b)}
 
     return ChoiceLogprobs(content=[TokenLogprob(**entry(t.id, t.logprob),
                                                 top_logprobs=[TopLogprob(**entry(j, lp)) for j, lp in t.top])
