@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from sparkchat import paths
 
@@ -85,10 +85,11 @@ def get_runtime(request: Request) -> Runtime:
 
 router = APIRouter()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runtime = get_runtime(request)
     prompt = serving.check(body, runtime)
@@ -98,7 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await serving.complete(body, runtime, prompt, request)
 
 
-@router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+@router.post("/v1/completions", response_model=Completion, responses=STREAMED)
 async def text_completions(body: CompletionRequest, request: Request):
     runtime = get_runtime(request)
     prompts = completions.check(body, runtime)
@@ -108,27 +109,19 @@ async def text_completions(body: CompletionRequest, request: Request):
     return await completions.complete(body, runtime, prompts, request)
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request):
     runtime = get_runtime(request)
     return ModelList(data=[Model(id=runtime.model_id, created=request.app.state.started,
                                  max_model_len=runtime.context_len)])
 
 
-@router.get("/v1/models/{model_id}", response_model=Model)
+@router.get("/v1/models/{model_id}", response_model=Model, responses=ERRORS)
 async def get_model(model_id: str, request: Request):
     runtime = get_runtime(request)
     if model_id != runtime.model_id:
         raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
     return Model(id=runtime.model_id, created=request.app.state.started, max_model_len=runtime.context_len)
-
-
-@router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-async def unknown_v1(path: str, request: Request):
-    # a URL the API serves, asked with another method: 405, as OpenAI's and vLLM's servers answer
-    if any(getattr(r, "path", None) == f"/v1/{path}" for r in router.routes if r.endpoint is not unknown_v1):
-        raise APIError(405, f"Method {request.method} is not allowed for /v1/{path}", code="method_not_allowed")
-    raise APIError(404, f"Unknown URL /v1/{path}", code="unknown_url")
 
 
 @router.get("/health")
@@ -139,9 +132,31 @@ async def health(request: Request):
     return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# every method a client may send (QUERY: the draft safe method with a body)
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY"]
+
+
+async def other_method(request: Request):
+    """A URL the API serves, asked with another method: 405 with the methods it takes (RFC 9110), as
+    OpenAI's and vLLM's servers answer; any other URL under /v1: 404."""
+    path = request.url.path
+    allowed = sorted({m for r in router.routes if getattr(r, "endpoint", None) is not other_method
+                      and r.path_regex.match(path) for m in getattr(r, "methods", ())})
+    if allowed:
+        raise APIError(405, f"Method {request.method} is not allowed for {path}", code="method_not_allowed",
+                       headers={"Allow": ", ".join(allowed)})
+    raise APIError(404, f"Unknown URL {path}", code="unknown_url")
+
+
+# after every real route, so these only catch what those do not
+router.add_api_route("/v1/{path:path}", other_method, methods=METHODS, include_in_schema=False)
+for _path in ("/health", "/metrics"):
+    router.add_api_route(_path, other_method, methods=[m for m in METHODS if m != "GET"], include_in_schema=False)
 
 
 def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None = None) -> FastAPI:

@@ -119,7 +119,8 @@ def test_stop_strings_and_n(client):
     ({"prompt": []}, "prompt"),
     ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": [1, 100000]}, "prompt"),
-    ({"prompt": [[1], [2, -1]]}, "prompt[1]"),
+    ({"prompt": [[1], [2, -1]]}, "prompt"),
+    ({"prompt": [[1], [2, 400]]}, "prompt[1]"),  # outside the vocabulary: the server names the prompt
     ({"prompt": [1.5]}, "prompt"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),

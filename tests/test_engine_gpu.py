@@ -1,5 +1,6 @@
 """The GPU decode path (CUDA graphs per bucket, attention over the filled slots, sampling on the GPU):
-same greedy ids as the eager path, seeded sampling reproducible, long prompts prefilled in chunks.
+same greedy ids as the eager path, seeded sampling reproducible, long prompts prefilled in chunks; the
+extras graphs (penalties, logit_bias, logprobs) against the eager path, beside plain rows.
 Skipped without a CUDA GPU (CI); run on one with `python -m pytest tests/test_engine_gpu.py`."""
 from __future__ import annotations
 

@@ -195,6 +195,12 @@ def test_harmless_openai_fields_are_accepted_and_ignored(client):
 def test_405_for_a_known_url_with_another_method(server):
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the URL takes
+    for method, url, allow in (("TRACE", "/v1/completions", "POST"), ("OPTIONS", "/v1/models", "GET"),
+                               ("POST", "/v1/models/sparkchat", "GET"), ("DELETE", "/health", "GET"),
+                               ("PUT", "/metrics", "GET")):
+        r = httpx.request(method, server.url + url)
+        assert (r.status_code, r.headers.get("allow")) == (405, allow), (method, url)
     assert httpx.get(server.url + "/v1/nope").status_code == 404
 
 
