@@ -29,9 +29,11 @@ def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engi
 
 
 def sampling_params(gen: dict, temperature=None, top_k=None, top_p=None, max_tokens=None,
-                    seed=None) -> SamplingParams:
-    """SamplingParams from the values given, generation.json's defaults (`gen`) for those left None."""
+                    seed=None, **extras) -> SamplingParams:
+    """SamplingParams from the values given, generation.json's defaults (`gen`) for those left None.
+    `extras`: the other SamplingParams fields (penalties, logit_bias, logprobs), which have no defaults
+    in generation.json."""
     pick = lambda v, k: gen[k] if v is None else v  # noqa: E731
     return SamplingParams(temperature=float(pick(temperature, "temperature")),
                           top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
-                          max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed)
+                          max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed, **extras)

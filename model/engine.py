@@ -25,6 +25,14 @@ which it draws its uniform numbers on the host, ahead of time in blocks; the bat
 (temperature, top-k, top-p) runs on the model's device and turns each row's number into a token by
 inverse CDF, so a row's randomness never depends on its neighbours.
 
+Extras: OpenAI's presence and frequency penalties, logit_bias and log-probabilities. They live on the
+device too: per row, a count of each id generated so far and a dense bias row (`Engine.counts`,
+`Engine.bias`, moved with their row), updated and applied inside the step, and each step's logprobs
+come back in the same device-to-host copy as the sampled ids. A step whose rows ask for none of them
+runs the plain sampler (its own CUDA graphs), so they cost such rows nothing. Logprobs are the
+model's own distribution (log-softmax of its logits, before temperature, penalties and bias, as vLLM
+reports by default); a prompt's logprobs (`prompt_logprobs`) come from its prefill.
+
 Tools. If the model emits `tool_start ... tool_end` (the calculator call), the engine passes the ids in
 between to the `tool` callback and force-feeds the ids it returns (e.g. <|output_start|> 4
 <|output_end|>) before sampling again; the engine never sees the expression as text.
@@ -59,6 +67,14 @@ class EngineStopped(EngineError):
     pass
 
 
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for at each position (OpenAI's limit on top_logprobs)."""
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+MAX_BIAS = 100.0
+"""logit_bias values lie in [-MAX_BIAS, MAX_BIAS]; -100 bans a token (OpenAI's range and meaning)."""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -68,9 +84,20 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p."""
     max_tokens: int = 256
-    """Generated ids at most (forced tool ids included); the context limit may stop earlier."""
+    """Generated ids at most (forced tool ids included); the context limit may stop earlier. 0: none,
+    the prompt is only read (for its `prompt_logprobs`)."""
     seed: int | None = None
     """Seeds the request's own generator; None draws fresh entropy."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every id generated so far (OpenAI's presence_penalty)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from an id's logit once per time it was generated so far (OpenAI's frequency_penalty)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to these ids' logits before sampling (greedy included)."""
+    logprobs: int | None = None
+    """Report each generated id's logprob and this many likeliest alternatives; None: none."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt id after the first (scoring a text); None: none."""
 
     def __post_init__(self):
         if not (self.temperature >= 0):
@@ -79,17 +106,50 @@ class SamplingParams:
             raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        for i, b in (self.logit_bias or {}).items():
+            if not (isinstance(i, int) and i >= 0):
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {i!r}")
+            if not (-MAX_BIAS <= b <= MAX_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_BIAS}, {MAX_BIAS}], got {b} for {i}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
+
+    @property
+    def adjusts(self) -> bool:
+        """Penalties or a bias change this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
+    def extras(self) -> bool:
+        """This request's decode steps need the extras sampler (`extras_step`)."""
+        return self.adjusts or self.logprobs is not None
 
 
 @dataclass
 class Token:
-    """One generated id. `forced` marks ids fed by a tool rather than sampled."""
+    """One generated id. `forced` marks ids fed by a tool rather than sampled. With `logprobs` asked:
+    its log-probability and the likeliest ids with theirs, best first."""
     id: int
     forced: bool = False
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """Sent before a request's first Token (or its Finished) when `prompt_logprobs` was asked: for each
+    prompt id after the first, its log-probability given the ids before it, and the likeliest ids."""
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclass
@@ -136,6 +196,44 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(temperature > 0, sampled, greedy)
 
 
+# the columns of a step's settings block, one row per sequence (`Engine._settings`)
+TEMPERATURE, TOP_K, TOP_P, UNIFORM, PRESENCE, FREQUENCY, TARGET = range(7)
+N_SETTINGS = 7
+IDLE = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, -1.0]  # a row that rides along (prefilling): greedy, counts nothing
+
+
+def adjust(logits: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, presence: torch.Tensor,
+           frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties and logit bias: logit - frequency * count - presence * (count > 0) + bias.
+    logits, counts, bias (B, V); presence, frequency (B,)."""
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0) + bias
+
+
+def logprob_info(logits: torch.Tensor, chosen: torch.Tensor, n_top: int = MAX_LOGPROBS) -> torch.Tensor:
+    """(B, 1 + 2 n_top) float32: the chosen id's log-probability, the n_top likeliest ids (as floats:
+    exact below 2**24) and their log-probabilities, from the model's own logits (B, V)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(min(n_top, lp.shape[-1]), dim=-1)
+    return torch.cat([lp.gather(-1, chosen[:, None]), top.indices.float(), top.values], dim=-1)
+
+
+def extras_step(logits: torch.Tensor, st: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor,
+                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling with penalties, bias and logprobs for rows with settings `st` (B, N_SETTINGS).
+
+    `ids` (B,), in a decode step, are the ids this step feeds: they are counted first (in place, in
+    `counts`, for rows with a penalty), so `counts` holds every id generated before the one sampled
+    now. Returns the sampled ids and `logprob_info` of each row's emitted id: the sampled one, or the
+    id a tool forces (column TARGET, -1 when none)."""
+    if ids is not None:
+        counting = ((st[:, PRESENCE] != 0) | (st[:, FREQUENCY] != 0)).float()
+        counts.scatter_add_(1, ids.view(-1, 1), counting[:, None])
+    adjusted = adjust(logits.float(), counts, bias, st[:, PRESENCE], st[:, FREQUENCY])
+    sampled = sample(adjusted, st[:, TEMPERATURE], st[:, TOP_K].long(), st[:, TOP_P], st[:, UNIFORM])
+    target = st[:, TARGET].long()
+    return sampled, logprob_info(logits, torch.where(target >= 0, target, sampled))
+
+
 class Request:
     """A submitted generation. `cancel()` may be called from any thread."""
 
@@ -158,6 +256,7 @@ class Request:
         self.last = -1  # the id to feed at the next decode step
         self.forced: collections.deque[int] = collections.deque()
         self.tool_buf: list[int] | None = None  # ids of a tool call being written
+        self.prompt_lp: PromptLogprobs | None = PromptLogprobs([], []) if params.prompt_logprobs is not None else None
         self.cancelled = False
         self.done = False
         self.submitted_at = time.perf_counter()
@@ -215,6 +314,11 @@ class Engine:
         self.max_len = min(config.max_len or model.config.seq_len, getattr(model, "rope_len", 1 << 30))
         self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype)
         self.lens = [0] * config.max_batch  # tokens each cache row holds (the host's copy: no reads back)
+        # per row: how often each id was generated (penalties) and the logit bias; rows move with their
+        # request. Read only by steps whose rows ask for extras (SamplingParams.extras)
+        self.vocab_size = V = model.config.vocab_size
+        self.counts = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
+        self.bias = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
         self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
         self.run_ahead = self.device.type == "cuda" if config.run_ahead is None else config.run_ahead
         self.active: list[Request] = []
@@ -240,8 +344,15 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
+        V = self.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < V), None)  # an id past the vocabulary would crash a kernel
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{V - 1})")
+        bad = next((t for t in params.logit_bias or {} if t >= V), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (0..{V - 1})")
         room = self.max_len - len(prompt)
-        if room < 1:
+        if room < (1 if params.max_tokens else 0):
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens but the model's context is "
                                 f"{self.max_len} tokens (at least one must be left for the reply)")
         req = Request(prompt, params, sink, min(params.max_tokens, room))
@@ -354,16 +465,19 @@ class Engine:
         for b, c in enumerate(chunks):
             ids[b, :len(c)] = torch.tensor(c)
         self._set_lens(start, [0] * len(new))
+        for b, r in enumerate(new):
+            self._reset_extras(start + b, r)
         logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
         self._set_lens(start, [len(c) for c in chunks])
-        for r, c in zip(new, chunks):
+        for b, (r, c) in enumerate(zip(new, chunks)):
             r.prefilled = len(c)
+            self._record_prompt_logprobs(r, logits[b, :len(c)], 0)
         self.active.extend(new)
-        ready = [b for b, r in enumerate(new) if not r.prefilling]
+        ready = [b for b, r in enumerate(new) if not r.prefilling and self._prompt_read(r)]
         if ready:
             last = torch.tensor([len(chunks[b]) - 1 for b in ready], device=self.device)
             rows = torch.tensor(ready, device=self.device)
-            self._advance([new[b] for b in ready], logits[rows, last])
+            self._advance([new[b] for b in ready], logits[rows, last], rows=rows + start)
 
     def _prefill_chunks(self) -> None:
         """The next chunk of every prompt still being prefilled, one request at a time."""
@@ -374,9 +488,47 @@ class Engine:
             ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             logits = self.model(ids, kv_cache=self.cache.view(row, row + 1), kv_len=self.lens[row] + len(chunk))
             self.lens[row] += len(chunk)
+            self._record_prompt_logprobs(req, logits[0], req.prefilled)
             req.prefilled += len(chunk)
-            if not req.prefilling:
-                self._advance([req], logits[:, -1])
+            if not req.prefilling and self._prompt_read(req):
+                self._advance([req], logits[:, -1], rows=slice(row, row + 1))
+
+    def _reset_extras(self, row: int, req: Request) -> None:
+        """A new request's row: nothing generated yet, and its own logit bias (zero when none)."""
+        self.counts[row].zero_()
+        self.bias[row].zero_()
+        if req.params.logit_bias:
+            ids, values = zip(*req.params.logit_bias.items())
+            self.bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32).to(self.device)
+
+    def _record_prompt_logprobs(self, req: Request, logits: torch.Tensor, start: int) -> None:
+        """Logprobs of the prompt ids that the logits of prompt positions start.. predict."""
+        if req.prompt_lp is None:
+            return
+        end = min(start + logits.shape[0], len(req.prompt) - 1)  # the last position predicts the reply
+        if end <= start:
+            return
+        targets = torch.tensor(req.prompt[start + 1:end + 1], device=logits.device)
+        info = logprob_info(logits[:end - start], targets, req.params.prompt_logprobs).tolist()
+        for row in info:
+            req.prompt_lp.logprobs.append(row[0])
+            req.prompt_lp.top.append(self._top(row, req.params.prompt_logprobs))
+
+    @staticmethod
+    def _top(info_row: list[float], n: int) -> list[tuple[int, float]]:
+        """The n likeliest (id, logprob) of a `logprob_info` row."""
+        width = (len(info_row) - 1) // 2
+        return [(int(i), lp) for i, lp in zip(info_row[1:1 + n], info_row[1 + width:1 + width + n])]
+
+    def _prompt_read(self, req: Request) -> bool:
+        """The whole prompt is in: send its logprobs if asked; False when the request ends here
+        (max_tokens 0: it only scores the prompt)."""
+        if req.prompt_lp is not None:
+            self._emit(req, req.prompt_lp)
+            req.prompt_lp = None
+        if req.max_new == 0 and not req.done:
+            self._finish(req, "length")
+        return not req.done
 
     def _set_lens(self, start: int, lens: list[int]) -> None:
         self.lens[start:start + len(lens)] = lens
@@ -410,44 +562,56 @@ class Engine:
         n = len(self.active)
         reqs = list(self.active)
         kv_len = max(self.lens[:n]) + 1
-        idle = [0.0, 0.0, 1.0, 0.0]  # a prefilling row draws no random number
-        settings = [idle if r.prefilling else self._settings(r) for r in reqs]
+        settings = [IDLE if r.prefilling else self._settings(r) for r in reqs]  # IDLE draws no random number
+        extras = any(r.params.extras and not r.prefilling for r in reqs)
         if self.graphs is not None:  # the forward and the sampling in one graph replay
-            sampled = self.graphs.step(ids, settings, kv_len)
+            sampled, info = self.graphs.step(ids, settings, kv_len, extras)
         else:
             x = (ids if torch.is_tensor(ids) else torch.tensor(ids, dtype=torch.long, device=self.device)).view(n, 1)
             logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]
-            sampled = self._sample(logits, settings)
+            sampled, info = self._sample(logits, settings, extras, slice(0, n), x[:, 0])
         self.steps += 1
         for row, req in enumerate(reqs):
             if req.prefilling:
                 self.cache.lengths[row] = self.lens[row]
             else:
                 self.lens[row] += 1
-        return _Step(reqs, sampled)
+        return _Step(reqs, sampled, info)
 
     def _collect(self, step: "_Step") -> None:
-        ids = step.result()
+        ids, info = step.result()
         rows = [row for row, r in enumerate(step.reqs) if not r.prefilling]
-        self._advance([step.reqs[r] for r in rows], sampled=[ids[r] for r in rows])
+        self._advance([step.reqs[r] for r in rows], sampled=[ids[r] for r in rows],
+                      info=None if info is None else [info[r] for r in rows])
 
     @staticmethod
     def _settings(req: Request) -> list[float]:
-        """A row's sampling settings and its next random number: temperature, top_k, top_p, uniform."""
-        return [req.params.temperature, req.params.top_k, req.params.top_p, req.uniform()]
+        """A row's settings (the columns TEMPERATURE.. TARGET) with its next random number."""
+        p = req.params
+        return [p.temperature, p.top_k, p.top_p, req.uniform(), p.presence_penalty, p.frequency_penalty,
+                req.forced[0] if req.forced else -1]
 
-    def _sample(self, logits: torch.Tensor, settings: list[list[float]]) -> torch.Tensor:
-        """Sampled ids (on the logits' device) for rows with these settings, in one host-to-device copy."""
+    def _sample(self, logits: torch.Tensor, settings: list[list[float]], extras: bool, rows,
+                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled ids (on the logits' device) for cache rows `rows` with these settings, in one
+        host-to-device copy; with `extras`, through `extras_step` (`ids`: the inputs a decode step
+        counts), which also gives each row's `logprob_info`."""
         st = torch.tensor(settings, dtype=torch.float32).to(logits.device, non_blocking=True)
-        ks = [s[1] for s in settings]
-        return sample(logits, st[:, 0], st[:, 1].long(), st[:, 2], st[:, 3], int(max(ks)) if min(ks) > 0 else 0)
+        if extras:
+            return extras_step(logits, st, self.counts[rows], self.bias[rows], ids)
+        ks = [s[TOP_K] for s in settings]
+        k_max = int(max(ks)) if min(ks) > 0 else 0
+        return sample(logits, st[:, TEMPERATURE], st[:, TOP_K].long(), st[:, TOP_P], st[:, UNIFORM], k_max), None
 
-    def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None,
-                 sampled: list[int] | None = None) -> None:
-        """Pick each row's next id (forced, or sampled from its logits unless given) and emit it."""
+    def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None, rows=None,
+                 sampled: list[int] | None = None, info: list[list[float]] | None = None) -> None:
+        """Pick each row's next id (forced, or sampled from its logits, of cache rows `rows`, unless
+        given with their `info`) and emit it."""
         if sampled is None:
-            sampled = self._sample(logits, [self._settings(r) for r in reqs]).tolist()
-        for req, tok in zip(reqs, sampled):
+            extras = any(r.params.extras for r in reqs)
+            ids, info = self._sample(logits, [self._settings(r) for r in reqs], extras, rows)
+            sampled, info = ids.tolist(), None if info is None else info.tolist()
+        for i, (req, tok) in enumerate(zip(reqs, sampled)):
             if req.done:
                 continue
             if req.cancelled:
@@ -461,7 +625,10 @@ class Engine:
                 continue
             req.last = tok
             req.generated += 1
-            if not self._emit(req, Token(tok, forced)):
+            event = Token(tok, forced)
+            if req.params.logprobs is not None and info is not None:
+                event.logprob, event.top = info[i][0], self._top(info[i], req.params.logprobs)
+            if not self._emit(req, event):
                 continue
             if not forced and self.tool is not None:
                 self._track_tool(req, tok)
@@ -513,6 +680,8 @@ class Engine:
                 last = len(self.active) - 1
                 if i != last:
                     self.cache.copy_row(last, i, self.lens[last])
+                    self.counts[i] = self.counts[last]
+                    self.bias[i] = self.bias[last]
                     self.lens[i] = self.lens[last]
                     self.active[i] = self.active[last]
                 self.cache.reset_row(last)
@@ -523,29 +692,35 @@ class Engine:
 
 
 class _Step:
-    """A launched decode step: the requests by row at launch, and their sampled ids on the device,
-    being copied to the host (pinned memory, so the copy runs behind the step)."""
+    """A launched decode step: the requests by row at launch, and their sampled ids (and, with extras,
+    `logprob_info`) on the device, being copied to the host (pinned memory, so the copy runs behind
+    the step; one wait for both)."""
 
-    def __init__(self, reqs: list[Request], sampled: torch.Tensor):
+    def __init__(self, reqs: list[Request], sampled: torch.Tensor, info: torch.Tensor | None = None):
         self.reqs, self.sampled = reqs, sampled
         if sampled.is_cuda:
-            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self.host.copy_(sampled, non_blocking=True)
+            self.host, self.host_info = self._pinned(sampled), None if info is None else self._pinned(info)
             self.ready = torch.cuda.Event()
             self.ready.record()
         else:
-            self.host, self.ready = sampled, None
+            self.host, self.host_info, self.ready = sampled, info, None
 
-    def result(self) -> list[int]:
+    @staticmethod
+    def _pinned(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def result(self) -> tuple[list[int], list[list[float]] | None]:
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return self.host.tolist(), None if self.host_info is None else self.host_info.tolist()
 
 
 class DecodeGraphs:
     """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
     slots to a power of two of at least 64, and whether every row's top_k is within TOP_K, so that only
-    that many logits are sorted), all captured when the engine starts.
+    that many logits are sorted, or whether a row asks for extras: then `extras_step`, sorting all),
+    all captured when the engine starts.
 
     A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
     one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
@@ -560,12 +735,13 @@ class DecodeGraphs:
         self.engine = engine
         n, dev = engine.config.max_batch, engine.device
         self.ids = torch.zeros((n, 1), dtype=torch.long, device=dev)
-        self.settings = torch.zeros((n, 4), dtype=torch.float32, device=dev)
+        self.settings = torch.zeros((n, N_SETTINGS), dtype=torch.float32, device=dev)
         # pinned, so each step's inputs go over asynchronously; two, taken in turn: a step launched
         # ahead fills one while the copy out of the other may still wait behind the running step
-        self.hosts = [torch.zeros((n, 5), dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.hosts = [torch.zeros((n, 1 + N_SETTINGS), dtype=torch.float32).pin_memory() for _ in range(2)]
         self.turn = 0
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, slots, k_max, extras) -> (graph, sampled ids, logprob_info or None)
+        self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
         if compile_blocks:
             for block in engine.model.blocks:
@@ -584,14 +760,15 @@ class DecodeGraphs:
     # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
     TOP_K = 256
 
-    def step(self, ids: "list[int] | torch.Tensor", settings: list[list[float]], kv_len: int) -> torch.Tensor:
-        """Replay the step's graph; returns the sampled ids (on the device, valid until the next replay
-        of the same graph: `_Step` copies them out first)."""
+    def step(self, ids: "list[int] | torch.Tensor", settings: list[list[float]], kv_len: int,
+             extras: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the step's graph; returns the sampled ids and, with extras, their `logprob_info` (on
+        the device, valid until the next replay of the same graph: `_Step` copies them out first)."""
         e = self.engine
         n = len(settings)
         rows = self._bucket(n, 1, e.config.max_batch)
         slots = self._bucket(kv_len, 64, e.max_len)
-        k_max = self.TOP_K if all(0 < s[1] <= self.TOP_K for s in settings) else 0
+        k_max = self.TOP_K if not extras and all(0 < s[TOP_K] <= self.TOP_K for s in settings) else 0
         host = self.hosts[self.turn]
         self.turn ^= 1
         if torch.is_tensor(ids):  # the previous step's sampled ids, still on the device
@@ -606,12 +783,12 @@ class DecodeGraphs:
         self.settings[:n] = staged[:, 1:]
         if rows > n:
             e.cache.lengths[n:rows].zero_()
-        key = (rows, slots, k_max)
+        key = (rows, slots, k_max, extras)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
-        graph, out = self.graphs[key]
+        graph, out, info = self.graphs[key]
         graph.replay()
-        return out[:n]
+        return out[:n], None if info is None else info[:n]
 
     def warmup(self) -> None:
         """Compile the blocks for prefill shapes and capture every decode bucket now, so that no
@@ -623,32 +800,39 @@ class DecodeGraphs:
         e.cache.lengths.zero_()
         for rows in self._buckets(1, e.config.max_batch):
             for slots in self._buckets(64, e.max_len):
-                for k_max in (self.TOP_K, 0):
-                    if (rows, slots, k_max) not in self.graphs:
-                        self.graphs[(rows, slots, k_max)] = self._capture(rows, slots, k_max)
+                for key in ((rows, slots, self.TOP_K, False), (rows, slots, 0, False), (rows, slots, 0, True)):
+                    if key not in self.graphs:
+                        self.graphs[key] = self._capture(*key)
 
-    def _capture(self, rows: int, slots: int, k_max: int):
+    def _capture(self, rows: int, slots: int, k_max: int, extras: bool):
         e = self.engine
         view = e.cache.view(0, rows)
         saved = view.lengths.clone()
+        saved_counts = e.counts[:rows].clone() if extras else None
         s = self.settings[:rows]
 
         def step():
             logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
-            return sample(logits, s[:, 0], s[:, 1].long(), s[:, 2], s[:, 3], k_max)
+            if extras:
+                return extras_step(logits, s, e.counts[:rows], e.bias[:rows], self.ids[:rows, 0])
+            return sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
 
-        # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture; the cache
-        # lengths the warm-up advanced are put back
+        def put_back():  # what the warm-up advanced: the cache lengths, and the counts it added to
+            view.lengths.copy_(saved)
+            if extras:
+                e.counts[:rows].copy_(saved_counts)
+
+        # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture
         stream = torch.cuda.Stream(e.device)
         stream.wait_stream(torch.cuda.current_stream(e.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 step()
-                view.lengths.copy_(saved)
+                put_back()
         torch.cuda.current_stream(e.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+            out, info = step()
         self.pool = graph.pool()
-        view.lengths.copy_(saved)
-        return graph, out
+        put_back()
+        return graph, out, info

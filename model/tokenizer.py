@@ -19,6 +19,18 @@ SPECIAL_TOKENS = [
     "<|output_start|>", "<|output_end|>",  # tool result, fed back by the engine
 ]
 
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level alphabet's inverse: the byte each vocabulary character stands for. (GPT-2's
+    bytes_to_unicode, which `tokenizers` uses but does not expose as a mapping.)"""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
 # GPT-4 style split, numbers grouped by at most 3 digits
 SPLIT_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"
                  r"|\s*[\r\n]|\s+(?!\S)|\s+")
@@ -32,6 +44,7 @@ class SparkTokenizer:
             raise ValueError(f"tokenizer lacks special tokens {missing}")
         self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
         self.bos_id = self.special["<|bos|>"]
+        self._special_ids = set(self.special.values())
         # text is text: "<|assistant_end|>" typed by a user (or found in a document) encodes as its
         # characters, never as the control id, so no message can forge a turn or a tool output.
         # Control ids come only from the renderer (model/chat.py), which adds them by id.
@@ -75,6 +88,16 @@ class SparkTokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id i stands for (a special token: its name; an id past the vocabulary: none). A
+        token may end inside a UTF-8 character, so bytes, not text, are what a token is."""
+        name = self._tok.id_to_token(i)
+        if name is None:
+            return b""
+        if i in self._special_ids:
+            return name.encode()
+        return bytes(BYTE_OF_CHAR[c] for c in name)
 
 
 class StreamDecoder:

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, lifespan and wiring. Logic lives in serving.py, bodies in schemas.py.
 
     POST /v1/chat/completions   OpenAI chat completions, JSON or SSE (`stream: true`)
+    POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
     GET  /v1/models             the one served model
     GET  /health                503 while the model loads (or failed to), then 200
     GET  /metrics               Prometheus text format
@@ -21,16 +22,16 @@ from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from sparkchat import paths
 
-from . import errors, serving
+from . import completions, errors, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
-from .schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, Model, ModelList
+from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
 log = logging.getLogger("sparkchat.serve")
 
@@ -83,42 +84,44 @@ def get_runtime(request: Request) -> Runtime:
 
 
 router = APIRouter()
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                        429: {"model": ErrorResponse}})
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     runtime = get_runtime(request)
     prompt = serving.check(body, runtime)
     if body.stream:
         frames = serving.stream(body, runtime, prompt)
-        return StreamingResponse(frames, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     return await serving.complete(body, runtime, prompt, request)
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.post("/v1/completions", response_model=Completion, responses=STREAMED)
+async def text_completions(body: CompletionRequest, request: Request):
+    runtime = get_runtime(request)
+    prompts = completions.check(body, runtime)
+    if body.stream:
+        return StreamingResponse(completions.stream(body, runtime, prompts), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await completions.complete(body, runtime, prompts, request)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request):
     runtime = get_runtime(request)
     return ModelList(data=[Model(id=runtime.model_id, created=request.app.state.started,
                                  max_model_len=runtime.context_len)])
 
 
-@router.get("/v1/models/{model_id}", response_model=Model)
+@router.get("/v1/models/{model_id}", response_model=Model, responses=ERRORS)
 async def get_model(model_id: str, request: Request):
     runtime = get_runtime(request)
     if model_id != runtime.model_id:
         raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
     return Model(id=runtime.model_id, created=request.app.state.started, max_model_len=runtime.context_len)
-
-
-@router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-async def unknown_v1(path: str, request: Request):
-    # a URL the API serves, asked with another method: 405, as OpenAI's and vLLM's servers answer
-    if any(getattr(r, "path", None) == f"/v1/{path}" for r in router.routes if r.endpoint is not unknown_v1):
-        raise APIError(405, f"Method {request.method} is not allowed for /v1/{path}", code="method_not_allowed")
-    raise APIError(404, f"Unknown URL /v1/{path}", code="unknown_url")
 
 
 @router.get("/health")
@@ -129,9 +132,31 @@ async def health(request: Request):
     return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# every method a client may send (QUERY: the draft safe method with a body)
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY"]
+
+
+async def other_method(request: Request):
+    """A URL the API serves, asked with another method: 405 with the methods it takes (RFC 9110), as
+    OpenAI's and vLLM's servers answer; any other URL under /v1: 404."""
+    path = request.url.path
+    allowed = sorted({m for r in router.routes if getattr(r, "endpoint", None) is not other_method
+                      and r.path_regex.match(path) for m in getattr(r, "methods", ())})
+    if allowed:
+        raise APIError(405, f"Method {request.method} is not allowed for {path}", code="method_not_allowed",
+                       headers={"Allow": ", ".join(allowed)})
+    raise APIError(404, f"Unknown URL {path}", code="unknown_url")
+
+
+# after every real route, so these only catch what those do not
+router.add_api_route("/v1/{path:path}", other_method, methods=METHODS, include_in_schema=False)
+for _path in ("/health", "/metrics"):
+    router.add_api_route(_path, other_method, methods=[m for m in METHODS if m != "GET"], include_in_schema=False)
 
 
 def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None = None) -> FastAPI:

@@ -21,10 +21,11 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "invalid_request_error")
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param=None, code=None, type=None) -> dict:
@@ -42,7 +43,7 @@ def _param(loc) -> str | None:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not isinstance(part, str) or part.startswith(("function-", "union[", "list[", "str")):
+        elif not isinstance(part, str) or part.startswith(("function-", "union[", "list[", "str", "constrained-")):
             continue  # pydantic's union branch labels
         else:
             out += f".{part}" if out else part
@@ -69,7 +70,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code, exc.type),
-                            status_code=exc.status)
+                            status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -12,6 +12,7 @@ import json
 from .errors import error_body
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
+COUNTED = ("/v1/chat/completions", "/v1/completions")  # the requests sparkchat_requests_total counts
 
 
 class V1Guard:
@@ -28,7 +29,7 @@ class V1Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        counted = scope["path"] == "/v1/chat/completions" and self.metrics is not None
+        counted = scope["path"] in COUNTED and self.metrics is not None
 
         async def send_counted(message):
             if counted and message["type"] == "http.response.start":

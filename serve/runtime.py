@@ -16,7 +16,7 @@ import torch
 
 from model.chat import TOOL_DISPLAY, render
 from model.chat_engine import chat_engine, sampling_params
-from model.engine import Engine, Finished, SamplingParams, Token
+from model.engine import Engine, Finished, PromptLogprobs, SamplingParams, Token
 from model.model_dir import load_model_dir
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
@@ -33,7 +33,9 @@ def pick_device(device: str | None) -> torch.device:
 
 class TextStream:
     """One generation as async text. Iterate it; afterwards `finish_reason` ('stop' or 'length'),
-    `prompt_tokens` and `completion_tokens` are set. `cancel()` frees the engine row at once."""
+    `prompt_tokens` and `completion_tokens` are set. `cancel()` frees the engine row at once.
+    When the params ask for logprobs, `prompt_logprobs` and `tokens` (the Token events, with their
+    logprobs) fill in as pieces come; `take_tokens()` gives those since its last call."""
 
     def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str]):
         self.runtime = runtime
@@ -46,12 +48,19 @@ class TextStream:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.tokens: list[Token] = []  # kept only when logprobs were asked
+        self._taken = 0
         self.t0 = time.perf_counter()
         self.request = runtime.engine.submit(prompt, params, self._sink)  # may raise QueueFull
         runtime.metrics.prompt_tokens.inc(len(prompt))
 
     def _sink(self, ev) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+    def take_tokens(self) -> list[Token]:
+        new, self._taken = self.tokens[self._taken:], len(self.tokens)
+        return new
 
     def cancel(self) -> None:
         if self.finish_reason is None:
@@ -99,7 +108,11 @@ class TextStream:
                             self.first_token_at = time.perf_counter()
                             self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
                         self.completion_tokens += 1
+                        if ev.logprob is not None:
+                            self.tokens.append(ev)
                         out.append(self._release(self.decoder.push(ev.id), final=False))
+                    elif isinstance(ev, PromptLogprobs):
+                        self.prompt_logprobs = ev
                     elif isinstance(ev, Finished):
                         if ev.reason == "error":
                             log.error("generation failed: %s", ev.error)
@@ -143,13 +156,19 @@ class Runtime:
     def context_len(self) -> int:
         return self.engine.max_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model takes (its embedding rows; may exceed the tokenizer's)."""
+        return self.engine.vocab_size
+
     def render(self, messages: list[dict]) -> list[int]:
         """Prompt ids for `messages`, by the training renderer. Raises model.chat.ChatFormatError."""
         ids, _ = render(self.tokenizer, messages, for_completion=True)
         return ids
 
-    def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None) -> SamplingParams:
-        return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed)
+    def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None,
+                 **extras) -> SamplingParams:
+        return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed, **extras)
 
     def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None) -> TextStream:
         """Submit now (raises QueueFull / PromptTooLong at once); iterate the result for text."""

@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI chat completions API, as this server implements it.
+"""Request and response bodies of the OpenAI chat completions and completions APIs, as this server
+implements them.
 
 Field names, types and defaults follow OpenAI's API reference, strictly (`"store": 0` is not a
 boolean). Unknown fields are refused (`extra="forbid"`); fields that only describe the request to the
@@ -9,12 +10,19 @@ no-op value: any other value is refused with a 400 that names the parameter. `to
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from model.engine import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
+
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 8
+MAX_PROMPTS = 64  # prompts in one completions request (each runs as n engine requests)
+
+
+Stop = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -37,70 +45,125 @@ class StreamOptions(_Strict):
 
 # parameter -> the value at which it does nothing (the only value accepted)
 UNSUPPORTED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0,
-    "logit_bias": {}, "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
+    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
     "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
+COMPLETIONS_UNSUPPORTED = {"best_of": 1, "suffix": None}
+
+
+def _needs(field: str, kind: str, other: str, value) -> dict:
+    """A rule across fields, in the document (JSON Schema if/then) as the server checks it: when
+    `field` is given as a `kind`, `other` must be `value`."""
+    return {"if": {"required": [field], "properties": {field: {"type": kind}}},
+            "then": {"required": [other], "properties": {other: {"const": value}}}}
+
+
+STREAM_OPTIONS_NEED_STREAM = _needs("stream_options", "object", "stream", True)
+
+
+def _unsupported(noop):
+    """A field the server does not implement: the document admits only its no-op value (any other
+    gets a 400 naming the parameter), so clients and fuzzers see what is accepted."""
+    return Field(None, json_schema_extra={"enum": [noop] if noop is None else [noop, None]},
+                 description="not supported: only the value that changes nothing is accepted")
 # accepted with any value of their type, and ignored: they change nothing a local model could do
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier")
 
 
-class ChatCompletionRequest(_Strict):
+class _Sampling(_Strict):
+    """The sampling fields both endpoints share."""
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0, le=2**31 - 1,
                                  description="extension: sample from the k likeliest (0: all)")
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    stop: Union[str, list[str], None] = None
+    stop: Union[Stop, Annotated[list[Stop], Field(max_length=MAX_STOP)], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)  # choice i uses seed + i
+    # choice i uses seed + i, so the top leaves room for MAX_N; 2**63 - 2**11 is a double exactly, so
+    # tools that read JSON numbers as doubles (JSON Schema validators) agree on the bound
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 2**11)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    logit_bias: Optional[dict] = None
-    tools: Optional[list] = None
-    tool_choice: Union[str, dict, None] = None
-    parallel_tool_calls: Optional[bool] = None
-    functions: Optional[list] = None
-    function_call: Union[str, dict, None] = None
-    response_format: Optional[dict] = None
+    frequency_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description=f"token id (as a string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+                           "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}})
     user: Optional[str] = None
-    metadata: Optional[dict] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
-    reasoning_effort: Optional[str] = None
-    modalities: Optional[list] = None
-    audio: Optional[dict] = None
-    prediction: Optional[dict] = None
-    web_search_options: Optional[dict] = None
-    verbosity: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
 
-    @field_validator("stop")
+    @field_validator("logit_bias")
     @classmethod
-    def _check_stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty strings")
+    def _check_bias(cls, v):
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"keys must be token ids written as decimal strings, got {k!r}")
+            if not (-MAX_BIAS <= b <= MAX_BIAS):
+                raise ValueError(f"values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b} for token {k}")
         return v
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def bias(self) -> dict[int, float] | None:
+        return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+
+class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        STREAM_OPTIONS_NEED_STREAM, _needs("top_logprobs", "integer", "logprobs", True)]})
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list] = _unsupported(UNSUPPORTED["tools"])
+    tool_choice: Union[str, dict, None] = _unsupported(UNSUPPORTED["tool_choice"])
+    parallel_tool_calls: Optional[bool] = _unsupported(UNSUPPORTED["parallel_tool_calls"])
+    functions: Optional[list] = _unsupported(UNSUPPORTED["functions"])
+    function_call: Union[str, dict, None] = _unsupported(UNSUPPORTED["function_call"])
+    response_format: Optional[dict] = _unsupported(UNSUPPORTED["response_format"])
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    modalities: Optional[list] = _unsupported(UNSUPPORTED["modalities"])
+    audio: Optional[dict] = _unsupported(UNSUPPORTED["audio"])
+    prediction: Optional[dict] = _unsupported(UNSUPPORTED["prediction"])
+    web_search_options: Optional[dict] = _unsupported(UNSUPPORTED["web_search_options"])
+    verbosity: Optional[str] = _unsupported(UNSUPPORTED["verbosity"])
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
     def unsupported(self) -> list[str]:
         """Parameters set to something this server would have to ignore."""
         return [k for k, noop in UNSUPPORTED.items()
+                if getattr(self, k) is not None and getattr(self, k) != noop]
+
+
+class CompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM]})
+
+    prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
+        description="text, texts, token ids, or lists of token ids (a text prompt starts after <|bos|>, as a "
+                    "document did in pretraining; token ids are used as given)")
+    max_tokens: Optional[int] = Field(None, ge=0, description="0: no completion, only the prompt (with echo)")
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = _unsupported(COMPLETIONS_UNSUPPORTED["best_of"])
+    suffix: Optional[str] = _unsupported(COMPLETIONS_UNSUPPORTED["suffix"])
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+    def unsupported(self) -> list[str]:
+        return [k for k, noop in COMPLETIONS_UNSUPPORTED.items()
                 if getattr(self, k) is not None and getattr(self, k) != noop]
 
 
@@ -118,10 +181,25 @@ class AssistantMessage(BaseModel):
     refusal: Optional[str] = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -147,7 +225,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[Literal["stop", "length"]] = None
 
 
@@ -157,6 +235,32 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: one entry per token (the echoed prompt's first, when asked; a
+    prompt's first token has no logprob)."""
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
 

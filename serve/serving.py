@@ -1,11 +1,14 @@
 """Chat completions logic: an OpenAI request -> engine generations -> an OpenAI response or SSE stream.
 
 Routes (api.py) only parse and dispatch; here the request is checked beyond its schema, rendered by the
-training chat renderer, and its `n` choices run as `n` engine requests in the same batch.
+training chat renderer, and its `n` choices run as `n` engine requests in the same batch. What both
+endpoints share (checks, sampling settings, running and merging streams) lives here too;
+completions.py holds the rest of /v1/completions.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -14,12 +17,13 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from model.chat import ChatFormatError
-from model.engine import EngineStopped, PromptTooLong, QueueFull
+from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
+from model.tokenizer import SparkTokenizer
 
 from .errors import APIError
 from .runtime import Runtime, TextStream
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice,
-                      ChunkChoice, Delta, Usage)
+                      ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
 SEED_STRIDE = 1  # choice i of a seeded request uses seed + i
 
@@ -31,8 +35,8 @@ def _max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 
 
-def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
-    """Everything a schema cannot say; returns the prompt ids."""
+def check_common(req: _Sampling, runtime: Runtime) -> None:
+    """The checks both endpoints make beyond their schemas."""
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server", bad[0], "unsupported_parameter")
@@ -41,6 +45,17 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
                             f"'{runtime.model_id}')", "model", "model_not_found")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    outside = [i for i in req.bias() or {} if i >= runtime.vocab_size]
+    if outside:
+        raise APIError(400, f"Invalid value for 'logit_bias': token {outside[0]} is outside the vocabulary "
+                            f"(0..{runtime.vocab_size - 1})", "logit_bias", "invalid_value")
+
+
+def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
+    """Everything a schema cannot say; returns the prompt ids."""
+    check_common(req, runtime)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
     try:
         ids = runtime.render([m.model_dump() for m in req.messages])
     except ChatFormatError as e:
@@ -52,13 +67,24 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     return ids
 
 
-def open_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
+def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | None, **extras) -> SamplingParams:
+    """Choice `choice`'s engine settings: the request's, generation.json's defaults for the rest."""
+    try:
+        return runtime.sampling(req.temperature, req.top_k, req.top_p, max_tokens,
+                                None if req.seed is None else req.seed + SEED_STRIDE * choice,
+                                presence_penalty=req.presence_penalty or 0.0,
+                                frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.bias(), **extras)
+    except ValueError as e:  # a value out of range
+        raise APIError(400, str(e)) from None
+
+
+def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]], stop: list[str],
+                 prompt_param: str = "messages") -> list[TextStream]:
+    """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors."""
     streams: list[TextStream] = []
     try:
-        for i in range(req.n):
-            params = runtime.sampling(req.temperature, req.top_k, req.top_p, _max_tokens(req),
-                                      None if req.seed is None else req.seed + SEED_STRIDE * i)
-            streams.append(runtime.open_stream(prompt, params, req.stop_list()))
+        for prompt, params in jobs:
+            streams.append(runtime.open_stream(prompt, params, stop))
     except (QueueFull, EngineStopped) as e:
         for s in streams:
             s.cancel()
@@ -68,15 +94,41 @@ def open_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
     except PromptTooLong as e:
         for s in streams:
             s.cancel()
-        raise APIError(400, str(e), "messages", "context_length_exceeded") from None
-    except ValueError as e:  # a sampling value out of range
+        raise APIError(400, str(e), prompt_param, "context_length_exceeded") from None
+    except ValueError as e:  # a value out of range
         for s in streams:
             s.cancel()
         raise APIError(400, str(e)) from None
     return streams
 
 
-def _finish_reason(s: TextStream) -> str:
+def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs)) for i in range(req.n)]
+    return open_streams(runtime, jobs, req.stop_list())
+
+
+def token_str(b: bytes) -> str:
+    """A token's bytes as the API shows them: the text, or, when they are not whole UTF-8 characters,
+    OpenAI's "bytes:\\xe4\\xbd" form (so distinct tokens never share a name)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+def token_logprobs(tok: SparkTokenizer, tokens: list[Token]) -> ChoiceLogprobs:
+    """Chat's logprobs shape: each token as text, and its bytes."""
+    def entry(i: int, logprob: float) -> dict:
+        b = tok.token_bytes(i)
+        return {"token": token_str(b), "logprob": logprob, "bytes": list(b)}
+
+    return ChoiceLogprobs(content=[TokenLogprob(**entry(t.id, t.logprob),
+                                                top_logprobs=[TopLogprob(**entry(j, lp)) for j, lp in t.top])
+                                   for t in tokens])
+
+
+def finish_reason(s: TextStream) -> str:
     return "length" if s.finish_reason == "length" else "stop"
 
 
@@ -94,20 +146,56 @@ async def _watch_disconnect(raw: Request, streams: list[TextStream]) -> None:
             return
 
 
-async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
-    streams = open_streams(req, runtime, prompt)
+async def collect(streams: list[TextStream], raw: Request) -> list[str]:
+    """Every stream's whole text; a client that goes away cancels them all."""
     watcher = asyncio.create_task(_watch_disconnect(raw, streams))
 
-    async def collect(s: TextStream) -> str:
+    async def text(s: TextStream) -> str:
         return "".join([piece async for piece in s])
 
     try:
-        texts = await asyncio.gather(*(collect(s) for s in streams))
+        return list(await asyncio.gather(*(text(s) for s in streams)))
     finally:
         watcher.cancel()
         for s in streams:
             s.cancel()
-    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=_finish_reason(s))
+
+
+async def merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, str | None]]:
+    """(stream index, text piece) as pieces come from any stream, then (index, None) when one ends.
+    Right after a piece, that stream's `take_tokens()` gives the tokens it came from."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: TextStream):
+        try:
+            async for piece in s:
+                await queue.put((i, piece))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, piece = await queue.get()
+            left -= piece is None
+            yield i, piece
+    finally:  # normal end, or the client went away: free every row now
+        for s in streams:
+            s.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
+    streams = _chat_streams(req, runtime, prompt)
+    texts = await collect(streams, raw)
+    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=finish_reason(s),
+                      logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
                for i, (t, s) in enumerate(zip(texts, streams))]
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=runtime.model_id,
                           choices=choices, usage=_usage(prompt, streams))
@@ -115,45 +203,35 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
 
 def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
     """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator."""
-    streams = open_streams(req, runtime, prompt)
+    streams = _chat_streams(req, runtime, prompt)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices, usage=None) -> str:
         c = ChatCompletionChunk(id=cid, created=created, model=runtime.model_id, choices=choices, usage=usage)
-        body = c.model_dump(exclude={"usage"} if not include_usage else None)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse(c.model_dump(exclude={"usage"} if not include_usage else None))
+
+    def logprobs(s: TextStream) -> ChoiceLogprobs | None:
+        tokens = s.take_tokens() if req.logprobs else []
+        return token_logprobs(runtime.tokenizer, tokens) if tokens else None
 
     async def frames():
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, s: TextStream):
-            try:
-                async for piece in s:
-                    await merged.put((i, piece))
-            finally:
-                await merged.put((i, None))
-
-        tasks = []
         try:
             for i in range(len(streams)):
                 yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-            left = len(streams)
-            while left:
-                i, piece = await merged.get()
-                if piece is None:
-                    left -= 1
-                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=_finish_reason(streams[i]))])
-                else:
-                    yield chunk([ChunkChoice(index=i, delta=Delta(content=piece))])
+            async with contextlib.aclosing(merged(streams)) as pieces:
+                async for i, piece in pieces:
+                    s = streams[i]
+                    if piece is None:  # tokens whose text was held back (a possible stop string) come last
+                        yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish_reason(s),
+                                                 logprobs=logprobs(s))])
+                    else:
+                        yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=logprobs(s))])
             if include_usage:
                 yield chunk([], _usage(prompt, streams))
             yield "data: [DONE]\n\n"
         finally:  # normal end, or the client went away: free every row now
             for s in streams:
                 s.cancel()
-            for t in tasks:
-                t.cancel()
 
     return frames()

@@ -81,8 +81,10 @@ def test_sample_follows_the_distribution():
 
 
 def test_sampling_params_checked_up_front():
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"top_k": 2**40}, {"max_tokens": 0},
-                {"seed": 2**70}, {"temperature": float("nan")}):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"top_k": 2**40}, {"max_tokens": -1},
+                {"seed": 2**70}, {"temperature": float("nan")}, {"presence_penalty": 2.5},
+                {"frequency_penalty": float("nan")}, {"logit_bias": {-1: 1.0}}, {"logit_bias": {"5": 1.0}},
+                {"logit_bias": {5: 101.0}}, {"logprobs": 21}, {"prompt_logprobs": -1}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -155,6 +157,22 @@ def test_tool_call_is_force_fed(engine_factory):
     assert out[-1].reason == "stop"
     fed = [row[0][-1] for row in m.inputs[1:]]  # the decode inputs after the prefill
     assert fed[-3:] == [OS, 9, OE]
+
+
+def test_forced_ids_carry_their_own_logprob(engine_factory):
+    """A tool's forced id reports the model's logprob of that id, not of the id it would have sampled."""
+    PS, PE, OS, OE, END = 20, 21, 22, 23, 2
+    m = ScriptModel({1: PS, PS: 10, 10: PE, PE: 3, OS: 4, OE: END})  # after PE the model wants 3
+    e = engine_factory(m, tool=lambda expr: [OS, OE], stop_ids=(END,), tool_start=PS, tool_end=PE)
+    out, done = [], threading.Event()
+    e.submit([1], SamplingParams(temperature=0, max_tokens=20, logprobs=1),
+             lambda ev: (out.append(ev), isinstance(ev, Finished) and done.set()))
+    assert done.wait(10)
+    toks = [ev for ev in out if isinstance(ev, Token)]
+    lse = torch.logsumexp(torch.tensor([10.0] + [-10.0] * 31), 0).item()
+    assert [(t.id, t.forced) for t in toks] == [(PS, False), (10, False), (PE, False), (OS, True), (OE, True)]
+    assert [t.logprob for t in toks] == pytest.approx([10 - lse] * 3 + [-10 - lse] * 2, abs=1e-4)
+    assert toks[3].top[0][0] == 3 and toks[4].top[0][0] == 4  # what the model wanted instead
 
 
 def test_queue_full_and_cancel_frees_the_row(engine_factory):
@@ -238,7 +256,8 @@ def test_sampling_params_fill_in_generation_defaults():
     p = sampling_params(gen, temperature=0.0, max_tokens=5, seed=3)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.seed) == (0.0, 50, 0.9, 5, 3)
     with pytest.raises(ValueError, match="max_tokens"):
-        sampling_params(gen, max_tokens=0)
+        sampling_params(gen, max_tokens=-1)
+    assert sampling_params(gen, presence_penalty=0.5, logprobs=2).presence_penalty == 0.5
 
 
 def test_utf8_pieces_are_whole(serve_tokenizer):

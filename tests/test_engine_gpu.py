@@ -1,5 +1,6 @@
 """The GPU decode path (CUDA graphs per bucket, attention over the filled slots, sampling on the GPU):
-same greedy ids as the eager path, seeded sampling reproducible, long prompts prefilled in chunks.
+same greedy ids as the eager path, seeded sampling reproducible, long prompts prefilled in chunks; the
+extras graphs (penalties, logit_bias, logprobs) against the eager path, beside plain rows.
 Skipped without a CUDA GPU (CI); run on one with `python -m pytest tests/test_engine_gpu.py`."""
 from __future__ import annotations
 
@@ -84,3 +85,94 @@ def test_seeded_sampling_is_reproducible_under_graphs():
         engine.shutdown()
     assert a == b and c == d
     assert a != other_seed
+
+
+def extras_for(i):
+    """Per prompt: penalties, a bias, logprobs, or none (plain rows share the batch with the others)."""
+    kinds = [{}, {"frequency_penalty": 1.5}, {"presence_penalty": 2.0, "logprobs": 5},
+             {"logit_bias": {j: -100.0 for j in range(0, 4096, 3)}}, {"logprobs": 0, "logit_bias": {7: 5.0}}]
+    return kinds[i % len(kinds)]
+
+
+def generate_events(engine, ps, params_for):
+    """Like generate_all, but every Token (ids with their logprobs)."""
+    import threading
+    out = [[] for _ in ps]
+    done = threading.Semaphore(0)
+    for i, p in enumerate(ps):
+        def sink(ev, i=i):
+            if hasattr(ev, "id"):
+                out[i].append(ev)
+            elif hasattr(ev, "reason"):
+                done.release()
+        engine.submit(p, params_for(i), sink)
+    for _ in ps:
+        done.acquire()
+    return out
+
+
+def test_extras_under_graphs_give_the_eager_ids_and_logprobs():
+    """Penalties, logit_bias and logprobs through the extras graphs, batched with plain rows, against
+    the eager path one request at a time (fp32)."""
+    model = gpu_model()
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=32, **extras_for(i))  # noqa: E731
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, run_ahead=False, prefill_chunk=10_000)).start()
+    try:
+        want = [generate_events(eager, [p], lambda _, i=i: params(i))[0] for i, p in enumerate(prompts())]
+    finally:
+        eager.shutdown()
+    fast = Engine(model, EngineConfig(max_batch=16, cuda_graphs=True, prefill_chunk=256)).start()
+    try:
+        got = generate_events(fast, prompts(), params)
+        assert any(key[3] for key in fast.graphs.graphs), "no extras graph was captured"
+    finally:
+        fast.shutdown()
+    assert [[t.id for t in g] for g in got] == [[t.id for t in w] for w in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert (a.logprob is None) == (b.logprob is None)
+            if a.logprob is not None:
+                assert abs(a.logprob - b.logprob) < 1e-3 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    banned = [t.id for t in got[3]]
+    assert banned and all(i % 3 for i in banned)
+
+
+def test_penalties_change_ids_under_graphs_and_repeat_when_seeded():
+    model = gpu_model_bf16()
+    engine = Engine(model, EngineConfig(max_batch=16)).start()
+
+    def run(params):
+        return [[t.id for t in generate_events(engine, [p], lambda _: params)[0]] for p in prompts()]
+
+    try:
+        plain = run(SamplingParams(temperature=0.0, max_tokens=40))
+        pen = SamplingParams(temperature=1.0, top_k=50, max_tokens=40, seed=1, frequency_penalty=2.0, logprobs=3)
+        a, b = run(pen), run(pen)
+        greedy_pen = run(SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=2.0))
+    finally:
+        engine.shutdown()
+    assert a == b
+    assert greedy_pen != plain
+    # a presence penalty of 2 makes greedy repeats rarer
+    assert sum(len(set(x)) for x in greedy_pen) > sum(len(set(x)) for x in plain)
+
+
+def test_prompt_logprobs_on_gpu_equal_a_direct_forward():
+    import threading
+
+    from model.engine import PromptLogprobs
+    model = gpu_model()
+    engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=256)).start()
+    p = prompts()[8]  # 600 ids: three prefill chunks
+    got, done = [], threading.Event()
+    try:
+        engine.submit(p, SamplingParams(max_tokens=0, prompt_logprobs=2),
+                      lambda ev: (got.append(ev), hasattr(ev, "reason") and done.set()))
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    assert isinstance(got[0], PromptLogprobs)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([p], device="cuda"))[0].float(), -1)[:-1]
+    want = ref.gather(-1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].cpu()
+    assert torch.allclose(torch.tensor(got[0].logprobs), want, atol=1e-3)

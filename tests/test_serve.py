@@ -152,8 +152,15 @@ def test_n2_and_seeds(client):
 
 @pytest.mark.parametrize("kw, param", [
     ({"extra_body": {"foo": 1}}, "foo"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logprobs": True}, "logprobs"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"temperature": 3}, "temperature"),
     ({"n": 0}, "n"),
     ({"seed": 2**70}, "seed"),
@@ -188,6 +195,12 @@ def test_harmless_openai_fields_are_accepted_and_ignored(client):
 def test_405_for_a_known_url_with_another_method(server):
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the URL takes
+    for method, url, allow in (("TRACE", "/v1/completions", "POST"), ("OPTIONS", "/v1/models", "GET"),
+                               ("POST", "/v1/models/sparkchat", "GET"), ("DELETE", "/health", "GET"),
+                               ("PUT", "/metrics", "GET")):
+        r = httpx.request(method, server.url + url)
+        assert (r.status_code, r.headers.get("allow")) == (405, allow), (method, url)
     assert httpx.get(server.url + "/v1/nope").status_code == 404
 
 

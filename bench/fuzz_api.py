@@ -1,0 +1,119 @@
+"""Property-based fuzzing of the OpenAI API from its own OpenAPI document, with schemathesis.
+
+Runs schemathesis's own runner (`st run`: the examples, coverage and fuzzing phases, valid and
+invalid requests, every check) against a live server, with `model` pinned to the served name in nine
+requests of ten (bench/fuzz_hooks.py), so valid requests reach generation. Every request and response
+is recorded (a HAR file) and counted here: the gate is no 5xx; schemathesis's own check failures
+(conformance to the document) are reported too.
+
+    python bench/fuzz_api.py                          # the real server over artifacts/model
+    python bench/fuzz_api.py --examples 100 --out DIR # DIR/fuzz.json, DIR/st.txt and DIR/requests.har.gz
+
+`fuzz()` is the library the test suite calls (tests/test_fuzz_api.py) against a server it started.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sparkchat import paths  # noqa: E402
+
+
+def fuzz(base_url: str, model_id: str, examples: int, seed: int = 0, out: Path | None = None,
+         timeout: float = 600, phases: str = "examples,coverage,fuzzing") -> dict:
+    """Run `st run` against the server at `base_url`; returns the counts (and writes st.txt and
+    requests.har into `out` when given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        har = Path(out or tmp).resolve() / "requests.har"
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "bench.fuzz_hooks", "SPARKCHAT_FUZZ_MODEL": model_id,
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base_url}/openapi.json", "--checks", "all",
+               "--phases", phases, "--mode", "all", "--max-examples", str(examples),
+               "--seed", str(seed), "--continue-on-failure", "--request-timeout", "120", "--no-color",
+               "--report", "har", "--report-har-path", str(har)]
+        t = time.perf_counter()
+        # in a fresh folder: schemathesis keeps the failures it found (.schemathesis/) and replays them
+        # first next time; each run starts from nothing, so a seed gives the same run
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        seconds = time.perf_counter() - t
+        if out:
+            (Path(out) / "st.txt").write_text("$ " + " ".join(cmd[1:]) + "\n\n" + proc.stdout + proc.stderr)
+        if not har.is_file():
+            raise RuntimeError(f"schemathesis wrote no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        entries = json.loads(har.read_text())["log"]["entries"]
+    operations: dict = collections.defaultdict(collections.Counter)
+    server_errors, generated, refused = [], 0, collections.Counter()
+    for e in entries:
+        req, res = e["request"], e["response"]
+        path = urlsplit(req["url"]).path
+        path = "/v1/models/{model_id}" if path.startswith("/v1/models/") else path
+        label, status = f"{req['method']} {path}", res["status"]
+        operations[label][str(status)] += 1
+        if status >= 500 or status == 0:
+            server_errors.append({"operation": label, "status": status, "body": req.get("postData", {}).get("text", "")[:500]})
+        elif status == 200 and req["method"] == "POST":
+            generated += 1
+        elif status >= 400:
+            try:
+                param = json.loads(res["content"]["text"])["error"]["param"]
+            except Exception:
+                param = "?"
+            refused[f"{label} {status} {param}"] += 1
+    summary = [line for line in proc.stdout.splitlines() if line.strip()][-12:]
+    failures = sorted({line.split()[1] for line in proc.stdout.splitlines() if line.strip().startswith("❌ ST")})
+    return {"requests": len(entries), "generated": generated, "server_errors": server_errors,
+            "operations": {k: dict(sorted(v.items())) for k, v in sorted(operations.items())},
+            "refused": dict(refused.most_common()), "schemathesis_exit": proc.returncode,
+            "schemathesis_failures": failures,
+            "schemathesis_summary": summary, "seconds": round(seconds, 1)}
+
+
+def main(argv=None) -> dict:
+    from bench.serve import running_server
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory (default: %(default)s)")
+    ap.add_argument("--served-model-name", default="sparkchat")
+    ap.add_argument("--examples", type=int, default=300,
+                    help="schemathesis's --max-examples, per operation and phase (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write fuzz.json, st.txt and requests.har here")
+    args = ap.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        sys.exit(f"{args.model} is not a model directory: run the pipeline first, or pass --model")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    argv = ["-m", "serve", "--model", args.model, "--device", "cpu", "--max-batch", "16", "--max-queue", "64",
+            "--served-model-name", args.served_model_name]
+    with running_server(argv) as base:
+        stats = fuzz(base, args.served_model_name, args.examples, args.seed, args.out, timeout=3600)
+    if args.out:  # every request and response, compressed (~20x)
+        har = args.out / "requests.har"
+        with open(har, "rb") as f, gzip.open(har.with_suffix(".har.gz"), "wb", compresslevel=9) as g:
+            shutil.copyfileobj(f, g)
+        har.unlink()
+    stats.update(examples=args.examples, seed=args.seed, model=str(args.model))
+    print(f"{stats['requests']} requests ({stats['generated']} generated a reply) in {stats['seconds']} s; "
+          f"server errors: {len(stats['server_errors'])}; schemathesis exit {stats['schemathesis_exit']}")
+    print("\n".join(stats["schemathesis_summary"]))
+    if args.out:
+        (args.out / "fuzz.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n")
+    return stats
+
+
+if __name__ == "__main__":
+    main()
