@@ -13,13 +13,13 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from model.chat import ChatFormatError
+from model.chat import ChatFormatError, content_text, display_words
 from model.engine import EngineStopped, PromptTooLong, QueueFull
 
 from .errors import APIError
 from .runtime import Runtime, TextStream
-from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice,
-                      ChunkChoice, Delta, Usage)
+from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
+                      Choice, ChunkChoice, Delta, Usage)
 
 SEED_STRIDE = 1  # choice i of a seeded request uses seed + i
 
@@ -42,7 +42,7 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     try:
-        ids = runtime.render([m.model_dump() for m in req.messages])
+        ids = runtime.render([_message(i, m) for i, m in enumerate(req.messages)])
     except ChatFormatError as e:
         raise APIError(400, str(e), "messages") from None
     if len(ids) >= runtime.context_len:
@@ -50,6 +50,21 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
                             f"messages resulted in {len(ids)} tokens, leaving no room for a reply. Please "
                             f"shorten the messages.", "messages", "context_length_exceeded")
     return ids
+
+
+def _message(i: int, m: ChatMessage) -> dict:
+    """A request message for the renderer: an assistant turn sent back with its `sparkchat_parts`
+    renders from them (tool calls, results and answer line as the model wrote them)."""
+    if m.sparkchat_parts is None:
+        return {"role": m.role, "content": m.model_dump()["content"]}
+    if m.role != "assistant":
+        raise APIError(400, f"messages[{i}]: only assistant messages carry sparkchat_parts",
+                       f"messages[{i}].sparkchat_parts")
+    parts = [p.model_dump() for p in m.sparkchat_parts]
+    if content_text(m.model_dump()["content"]).strip() != display_words(parts).strip():
+        raise APIError(400, f"messages[{i}]: content is not the words of its sparkchat_parts (send the "
+                            f"message back unchanged, or without sparkchat_parts)", f"messages[{i}].content")
+    return {"role": "assistant", "content": parts}
 
 
 def open_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
@@ -107,8 +122,8 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
         watcher.cancel()
         for s in streams:
             s.cancel()
-    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=_finish_reason(s))
-               for i, (t, s) in enumerate(zip(texts, streams))]
+    choices = [Choice(index=i, message=AssistantMessage(content=t, sparkchat_parts=s.parts),
+                      finish_reason=_finish_reason(s)) for i, (t, s) in enumerate(zip(texts, streams))]
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=runtime.model_id,
                           choices=choices, usage=_usage(prompt, streams))
 
@@ -144,8 +159,9 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
                 i, piece = await merged.get()
                 if piece is None:
                     left -= 1
-                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=_finish_reason(streams[i]))])
-                else:
+                    yield chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=streams[i].parts),
+                                             finish_reason=_finish_reason(streams[i]))])
+                elif piece:  # "" marks a tool use: its parts come with the last chunk
                     yield chunk([ChunkChoice(index=i, delta=Delta(content=piece))])
             if include_usage:
                 yield chunk([], _usage(prompt, streams))
