@@ -9,15 +9,24 @@ Assistant content is a string or a list of parts: {"type": "text"}, {"type": "py
 call, rendered between python_start/end) and {"type": "python_output"} (the tool's answer, rendered
 between output_start/end). The mask is 1 on what the model must learn to produce: assistant text, tool
 calls and the closing <|assistant_end|>; 0 on prompts and tool outputs (the engine supplies those).
+
+A generated reply has the same structure, and this file is also its one home (`ReplyReader`): the
+reply's ids become its parts, which re-render to the very same ids (history stays as trained), and its
+display, which every front end uses: the assistant's *words* (the text parts, the training data's final
+answer line `#### N` left out) and, apart from them, its *tool uses* (a calculator call and its result).
 """
 from __future__ import annotations
 
-from .tokenizer import SparkTokenizer
+from dataclasses import dataclass
+
+from .tokenizer import SparkTokenizer, StreamDecoder
 
 ROLES = ("system", "user", "assistant")
+PART_TYPES = ("text", "python", "python_output")
 
-# How a reply's tool tokens read when it is shown as text (tokenizer.StreamDecoder): "... `12*7 = 84` ..."
-TOOL_DISPLAY = {"<|python_start|>": "`", "<|python_end|>": " = ", "<|output_start|>": "", "<|output_end|>": "`"}
+# The final-answer line of GSM8K-style training replies ("... = 84.\n#### 84"): a marker for graders,
+# not words for a reader, so the display leaves it out when it is the reply's last line.
+ANSWER_MARKER = "\n#### "
 
 
 class ChatFormatError(ValueError):
@@ -30,7 +39,7 @@ def content_parts(content) -> list[dict]:
     if isinstance(content, list):
         parts = []
         for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("text", "python", "python_output"):
+            if not isinstance(p, dict) or p.get("type") not in PART_TYPES:
                 raise ChatFormatError(f"unsupported content part: {p!r:.80}")
             if not isinstance(p.get("text"), str):
                 raise ChatFormatError("content part needs a string 'text'")
@@ -87,3 +96,164 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
             raise ChatFormatError("the last message must come from the user")
         add([s["<|assistant_start|>"]], 0)
     return ids, mask
+
+
+def history_budget(context: int, max_tokens: int) -> int:
+    """The prompt ids a conversation may take: the reply keeps at most half the context, at most what it may use."""
+    return context - min(max_tokens, context // 2)
+
+
+def fit_history(tok, messages: list[dict], budget: int) -> tuple[list[int], list[dict], int]:
+    """The prompt ids of `messages`, dropping the oldest exchanges (never the system prompt, never the
+    last message) until they fit `budget` ids: (ids, the messages kept, how many were dropped). A cut
+    in the middle of the ids would lose <|bos|> and the system prompt and start mid-turn."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(head):]
+    dropped = 0
+    while True:
+        ids, _ = render(tok, head + turns, for_completion=True)
+        if len(ids) <= budget or len(turns) <= 1:
+            return ids, head + turns, dropped
+        cut = 2 if len(turns) > 2 and turns[1]["role"] == "assistant" else 1  # a user turn and its reply
+        turns, dropped = turns[cut:], dropped + cut
+
+
+# ---- a generated reply: ids -> parts (as trained) and display (words + tool uses) ----
+
+@dataclass
+class ToolUse:
+    """One calculator use as a reader sees it."""
+    call: str
+    output: str | None  # None: no result came back (the tool failed, or the reply ended first)
+
+    def __str__(self) -> str:  # how every front end shows it: "37 + 58 → 95"
+        return f"{self.call} → {'(no result)' if self.output is None else self.output}"
+
+
+class _Words:
+    """Text deltas -> the same deltas with a final answer line left out. A tail that could still become
+    `ANSWER_MARKER ...` as the reply's last line is held back until a later newline (it was not the
+    last line: shown) or the end of the reply (dropped)."""
+
+    def __init__(self):
+        self.held = ""
+
+    def push(self, text: str) -> str:
+        buf = self.held + text
+        cut = buf.rfind("\n")
+        tail = buf[cut:] if cut >= 0 else ""
+        if tail and (ANSWER_MARKER.startswith(tail) or tail.startswith(ANSWER_MARKER)):
+            self.held = tail
+            return buf[:cut]
+        self.held = ""
+        return buf
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if held.startswith(ANSWER_MARKER) else held
+
+
+class ReplyReader:
+    """Reads a reply as it is generated (the ids after <|assistant_start|>, without the stop id).
+
+    `push(id)` and, at the end, `finish()` return what to show now, in order: `str` pieces of the
+    assistant's words (never splitting a UTF-8 character) and `ToolUse`s, each once its result is in.
+    `parts` is the reply as content parts ({"type": "text" | "python" | "python_output", "text"}), the
+    form `render` takes back: rendered after the same prompt they give the ids read, as long as the model
+    wrote text as the tokenizer splits it (as it was trained to); control ids other than the tool
+    delimiters are dropped. `words` is everything shown as words so far.
+    """
+
+    def __init__(self, tok: SparkTokenizer):
+        self.tok = tok
+        s = tok.special
+        self._opens = {s["<|python_start|>"]: "python", s["<|output_start|>"]: "python_output"}
+        self._closes = {s["<|python_end|>"], s["<|output_end|>"]}
+        self._special = set(s.values())
+        self.parts: list[dict] = []
+        self.tool_uses: list[ToolUse] = []
+        self.words = ""
+        self._kind, self._ids = "text", []  # the part being read
+        self._call: str | None = None  # a finished call whose result has not come yet
+        self._decoder, self._filter = StreamDecoder(tok), _Words()
+        self.done = False
+
+    def push(self, i: int) -> list:
+        out = []
+        if i in self._opens or i in self._closes:
+            self._close(out)
+            self._kind = self._opens.get(i, "text")
+            if self._kind == "python":
+                self._settle(out)
+        elif i not in self._special:
+            if self._kind == "text":
+                self._settle(out)
+                self._show(out, self._filter.push(self._decoder.push(i)))
+            self._ids.append(i)
+        return out
+
+    def finish(self) -> list:
+        self.done = True
+        out = []
+        self._close(out)
+        self._settle(out)
+        self._show(out, self._filter.flush())
+        return out
+
+    def _show(self, out: list, text: str) -> None:
+        if text:
+            self.words += text
+            out.append(text)
+
+    def _close(self, out: list) -> None:
+        """The part being read is complete: add it to `parts` (and settle a call's result)."""
+        kind, ids = self._kind, self._ids
+        self._kind, self._ids = "text", []
+        if kind == "text":
+            self._show(out, self._filter.push(self._decoder.flush()))
+            if ids:
+                self.parts.append({"type": "text", "text": self.tok.decode(ids)})
+            return
+        text = self.tok.decode(ids)
+        self.parts.append({"type": kind, "text": text})
+        if kind == "python":
+            self._call = text
+        elif self._call is not None:
+            self._use(out, ToolUse(self._call, text))
+
+    def _settle(self, out: list) -> None:
+        """A call followed by anything but its result got none."""
+        if self._call is not None:
+            self._use(out, ToolUse(self._call, None))
+
+    def _use(self, out: list, use: ToolUse) -> None:
+        self.tool_uses.append(use)
+        out.append(use)
+        self._call = None
+
+
+def read_reply(tok: SparkTokenizer, ids: list[int]) -> ReplyReader:
+    """A whole reply read at once: `.parts`, `.words`, `.tool_uses`."""
+    reader = ReplyReader(tok)
+    for i in ids:
+        reader.push(i)
+    reader.finish()
+    return reader
+
+
+def display_words(parts: list[dict]) -> str:
+    """The words a reply with these content parts shows (what ReplyReader shows as it streams)."""
+    f = _Words()
+    return "".join(f.push(p["text"]) for p in content_parts(parts) if p["type"] == "text") + f.flush()
+
+
+def cut_parts(parts: list[dict], n: int) -> list[dict]:
+    """The parts of a reply cut after its first `n` characters of words (where a stop string cut it)."""
+    out = []
+    for p in parts:
+        if p["type"] == "text":
+            if len(p["text"]) >= n:
+                return out + ([{"type": "text", "text": p["text"][:n]}] if n else [])
+            n -= len(p["text"])
+        out.append(p)
+    return out

@@ -4,6 +4,7 @@
     model.safetensors  weights in float32, whatever precision backend trained them
     tokenizer.json     the `tokenizers` file with the chat special tokens
     generation.json    sampling defaults and whether the model was trained to call the calculator
+    meta.json          (optional) the stage that trained it and its training metrics: steps, tokens, ...
     checksums.json     sha256 and size of each file above, written last: the directory's commit point
 
 No DVC, no Transformer Engine and no training params are needed to load it.
@@ -178,6 +179,20 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, gene
         write_atomic(path / name, write)
     # last: until this rename, a directory being overwritten fails its check against the old checksums
     write_atomic(path / CHECKSUMS, _json_writer({name: file_record(path / name) for name in writers}))
+
+
+def describe_model_dir(path: str | Path) -> dict:
+    """What a model directory says about its model, without loading the weights (for a page to show):
+    `config` (config.json), `generation` (generation.json over the defaults) and `meta` (meta.json); a
+    file that is missing or unreadable gives {} (loading the model is what names a damaged directory)."""
+    def read(name: str) -> dict:
+        try:
+            data = json.loads((Path(path) / name).read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+    return {"config": read("config.json"), "generation": {**DEFAULT_GENERATION, **read("generation.json")},
+            "meta": read("meta.json")}
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

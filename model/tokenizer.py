@@ -102,24 +102,23 @@ class SparkTokenizer:
 
 class StreamDecoder:
     """Token ids -> text deltas, for showing a reply as it is generated: a piece never splits a UTF-8
-    character (ids are held while their bytes end mid-character) and special ids are dropped, or shown
-    as `special_text[name]` when given (the server and the terminal chat pass model.chat.TOOL_DISPLAY).
+    character (ids are held while their bytes end mid-character) and special ids are dropped (what
+    they delimit in a reply, model.chat.ReplyReader reads).
 
     Decoding restarts after each clean piece, so the cost per token stays constant.
     """
 
     MAX_PENDING = 8  # a UTF-8 character is at most 4 bytes; past this the ids are shown as they are
 
-    def __init__(self, tok: SparkTokenizer, special_text: dict[str, str] | None = None):
+    def __init__(self, tok: SparkTokenizer):
         self.tok = tok
-        shown = special_text or {}
-        self.special = {i: shown.get(name, "") for name, i in tok.special.items()}
+        self.special = set(tok.special.values())
         self.pending: list[int] = []
 
     def push(self, i: int) -> str:
         """The text that id `i` completes ("" while a character is incomplete)."""
         if i in self.special:
-            return self.flush() + self.special[i]
+            return self.flush()
         self.pending.append(i)
         text = self.tok.decode(self.pending)
         if text.endswith("\ufffd") and len(self.pending) < self.MAX_PENDING:

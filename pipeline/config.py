@@ -79,7 +79,11 @@ class DataParams:
     x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
     val_fraction: float = 0.05
     synthetic_train: int = 24000
-    """Generated training conversations (arithmetic, spelling, facts, identity, multiple choice)."""
+    """Generated training exchanges (arithmetic, spelling, facts, identity, multiple choice)."""
+    synthetic_multi_turn: float = 0.5
+    """Share of the generated exchanges asked once more inside conversations of two or three exchanges
+    (each is also a conversation of its own), so the model learns to answer the last question with
+    earlier turns in its context, as the chat front ends send them. 0: single exchanges only."""
     synthetic_eval: int = 200
     """Held-out generated items per eval task (never in training data)."""
     seed: int = 1337
@@ -92,6 +96,8 @@ class DataParams:
         for name in ("max_docs_per_source", "synthetic_train", "synthetic_eval", "pretrain_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{key}.{name} must be >= 0")
+        if not 0.0 <= self.synthetic_multi_turn <= 1.0:
+            raise ConfigError(f"{key}.synthetic_multi_turn must be in [0, 1], got {self.synthetic_multi_turn}")
         for src in self.chat_sources:  # text sources stop at the token budget; conversations need a cap
             if src.startswith("hub:") and self.max_docs_per_source == 0:
                 raise ConfigError(f"{key}.max_docs_per_source must be > 0 when streaming hub source '{src}'")

@@ -36,7 +36,6 @@ from .metrics import atomic_write_text, write_json
 from .sources import open_dataset
 from .runtime import resolve_device
 
-MODELS = {"base": paths.MODEL_DIRS["pretrain"], "midtrain": paths.MODEL_DIRS["midtrain"], "sft": paths.CHAT_MODEL}
 GENERATIVE = ("arithmetic", "word_problem", "letter_count", "spelling")
 MULTIPLE_CHOICE = ("largest",)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -155,7 +154,7 @@ def main(argv=None) -> None:
     p = load_params(stage="evaluate")
     device = resolve_device(p.runtime.device)
     results = {}
-    for name, path in MODELS.items():
+    for name, path in paths.EVAL_MODELS.items():
         try:
             results[name] = evaluate_model(name, path, p, device)
         except ModelDirError as e:

@@ -218,7 +218,7 @@ def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None, shar
     for src in d.chat_sources:
         if src == "builtin:synthetic":
             items = synthetic.dedupe_against(synthetic.generate_train(d.synthetic_train, d.seed), held_out)
-            convs.extend(synthetic.to_messages(it) for it in items)
+            convs.extend(synthetic.conversations(items, d.synthetic_multi_turn, d.seed))
         else:
             for msgs in iter_conversations(src, d.hub_split, d.max_docs_per_source):
                 first_user = next((m["content"] for m in msgs if m["role"] == "user"), "")

@@ -11,8 +11,10 @@ Tasks, each a function `(rng) -> item` where an item has the user `prompt`, the 
 - capital       country -> capital facts
 - identity      who the assistant is
 
-Held-out eval items come from their own seed and `dedupe_against` removes every training item whose
-prompt equals an eval prompt, so no eval item is ever trained on.
+Every training item is a conversation of its own, and a share of them come again inside conversations
+of two or three exchanges (`conversations`). Held-out eval items come from their own seed and
+`dedupe_against` removes every training item whose prompt equals an eval prompt, so no eval item is
+ever trained on.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ IDENTITY = [
     ("Hi", "Hi! What would you like to talk about?"),
     ("Thank you!", "You are welcome!"),
 ]
+
+
+MULTI_TURNS = (2, 3)  # exchanges in a multi-turn conversation: three short ones fill the default 128-token context
 
 
 def _user_assistant(prompt: str, parts: list[dict]) -> list[dict]:
@@ -160,6 +165,22 @@ EVAL_TASKS = ("arithmetic", "word_problem", "letter_count", "spelling", "largest
 
 def to_messages(item: dict) -> list[dict]:
     return _user_assistant(item["prompt"], item["parts"])
+
+
+def conversations(items: list[dict], multi_turn: float, seed: int) -> list[list[dict]]:
+    """Every item as a conversation of its own (as the evals ask it), and `multi_turn` x len(items) of
+    them once more, in conversations of MULTI_TURNS exchanges: there the model learns to answer the
+    last question with the earlier exchanges (their calculator calls and results as written) in its
+    context, which is how a chat front end prompts it."""
+    rng = random.Random(seed)
+    out = [to_messages(it) for it in items]
+    again = rng.sample(items, round(len(items) * multi_turn))
+    i = 0
+    while i < len(again):
+        n = rng.randint(*MULTI_TURNS)
+        out.append([m for it in again[i:i + n] for m in to_messages(it)])
+        i += n
+    return out
 
 
 def generate_train(n: int, seed: int) -> list[dict]:

@@ -60,7 +60,7 @@ def _streams(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) ->
     scored = req.logprobs if req.echo else None  # the prompt's logprobs only when they are shown
     jobs = [(p.ids, serving.sampling(req, runtime, j, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=scored))
             for p in prompts for j in range(req.n)]
-    return serving.open_streams(runtime, jobs, req.stop_list(), "prompt")
+    return serving.open_streams(runtime, jobs, req.stop_list(), "prompt", chat=False)
 
 
 class _Logprobs:

@@ -2,8 +2,10 @@
 
 This is the one place where text meets token ids. `Runtime.open_stream` renders nothing itself: it takes
 prompt ids (rendered by model.chat, the training renderer), submits them to the engine and returns a
-`TextStream`, an async iterator of text pieces that are always whole UTF-8, cut at any stop string.
-Both the OpenAI routes and the Gradio page read generations through it, in-process.
+`TextStream`, an async iterator of the reply's words (model.chat.ReplyReader: whole UTF-8 pieces, no
+tool calls, no answer marker), cut at any stop string; its `tool_uses` and `parts` (the reply as
+trained, for the history) fill in as it goes. Both the OpenAI routes and the Gradio page read
+generations through it, in-process.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.chat import TOOL_DISPLAY, render
+from model.chat import ReplyReader, ToolUse, cut_parts, render
 from model.chat_engine import chat_engine, sampling_params
 from model.engine import Engine, Finished, PromptLogprobs, SamplingParams, Token
 from model.model_dir import load_model_dir
@@ -31,19 +33,52 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class TextStream:
-    """One generation as async text. Iterate it; afterwards `finish_reason` ('stop' or 'length'),
-    `prompt_tokens` and `completion_tokens` are set. `cancel()` frees the engine row at once.
-    When the params ask for logprobs, `prompt_logprobs` and `tokens` (the Token events, with their
-    logprobs) fill in as pieces come; `take_tokens()` gives those since its last call."""
+class PlainReader:
+    """ReplyReader's interface over plain text (/v1/completions): every word the model wrote, as one
+    text part; special ids are left out."""
 
-    def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str]):
+    def __init__(self, tok: SparkTokenizer):
+        self.decoder = StreamDecoder(tok)
+        self.tool_uses: list[ToolUse] = []
+        self.words, self.done = "", False
+
+    def push(self, i: int) -> list:
+        return self._show(self.decoder.push(i))
+
+    def finish(self) -> list:
+        self.done = True
+        return self._show(self.decoder.flush())
+
+    def _show(self, text: str) -> list:
+        self.words += text
+        return [text] if text else []
+
+    @property
+    def parts(self) -> list[dict]:
+        return [{"type": "text", "text": self.words}] if self.words else []
+
+
+class TextStream:
+    """One generation as async text: iterate it for the words. A piece is also yielded (possibly "")
+    when a tool use completes, which is then in `tool_uses`. Afterwards `finish_reason` ('stop' or
+    'length'), `prompt_tokens`, `completion_tokens` and `parts` (the reply as content parts, cut where
+    a stop string cut the words) are set. `cancel()` frees the engine row at once.
+    When the params ask for logprobs, `prompt_logprobs` and `tokens` (the Token events, with their
+    logprobs: every generated id, calculator and answer line included) fill in as pieces come;
+    `take_tokens()` gives those since its last call. `chat=False` (/v1/completions) reads the ids as
+    plain text, special ids left out, as vLLM does by default."""
+
+    def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str],
+                 chat: bool = True):
         self.runtime = runtime
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.decoder = StreamDecoder(runtime.tokenizer, TOOL_DISPLAY)
+        self.reader = ReplyReader(runtime.tokenizer) if chat else PlainReader(runtime.tokenizer)
+        self.tool_uses: list[ToolUse] = self.reader.tool_uses
         self.stop = [s for s in stop if s]
         self.held = ""  # decoded text not yet released (could be the start of a stop string)
+        self.shown = 0  # characters of words released
+        self.cut: int | None = None  # where a stop string cut the words
         self.prompt_tokens = len(prompt)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -76,10 +111,12 @@ class TextStream:
         buf = self.held + text
         if not self.stop:
             self.held = ""
+            self.shown += len(buf)
             return buf
         cut = min((j for j in (buf.find(s) for s in self.stop) if j >= 0), default=-1)
         if cut >= 0:
             self.held = ""
+            self.cut = self.shown + cut
             self.cancel()
             self._end("stop")
             return buf[:cut]
@@ -90,7 +127,19 @@ class TextStream:
                     keep = k
                     break
         self.held = buf[len(buf) - keep:] if keep else ""
+        self.shown += len(buf) - keep
         return buf[:len(buf) - keep]
+
+    def _read(self, events: list, final: bool) -> tuple[str, bool]:
+        """ReplyReader events -> (words to show, whether a tool use completed)."""
+        words = "".join(e for e in events if isinstance(e, str))
+        return self._release(words, final), any(isinstance(e, ToolUse) for e in events)
+
+    @property
+    def parts(self) -> list[dict]:
+        """The reply as content parts: render() gives back its ids (up to a stop string's cut)."""
+        parts = self.reader.parts
+        return parts if self.cut is None else cut_parts(parts, self.cut)
 
     def __aiter__(self):
         return self._pieces()
@@ -101,7 +150,7 @@ class TextStream:
                 events = [await self.queue.get()]
                 while not self.queue.empty():  # coalesce what arrived meanwhile into one piece
                     events.append(self.queue.get_nowait())
-                out = []
+                out, used = [], False
                 for ev in events:
                     if isinstance(ev, Token):
                         if self.first_token_at is None:
@@ -110,19 +159,24 @@ class TextStream:
                         self.completion_tokens += 1
                         if ev.logprob is not None:
                             self.tokens.append(ev)
-                        out.append(self._release(self.decoder.push(ev.id), final=False))
+                        words, tool = self._read(self.reader.push(ev.id), final=False)
                     elif isinstance(ev, PromptLogprobs):
                         self.prompt_logprobs = ev
-                    elif isinstance(ev, Finished):
+                        continue
+                    else:  # Finished
                         if ev.reason == "error":
                             log.error("generation failed: %s", ev.error)
-                        out.append(self._release(self.decoder.flush(), final=True))
+                        words, tool = self._read(self.reader.finish(), final=True)
                         self._end("stop" if ev.reason in ("stop", "cancelled") else ev.reason)
+                    out.append(words)
+                    used = used or tool
                     if self.finish_reason is not None:
                         break
                 piece = "".join(out)
-                if piece:
+                if piece or used:
                     yield piece
+            if not self.reader.done:  # a stop string ended it: the parts read so far are complete
+                self.reader.finish()
         finally:
             if self.finish_reason is None:  # the consumer went away (client disconnect, stop button)
                 self.cancel()
@@ -170,9 +224,10 @@ class Runtime:
                  **extras) -> SamplingParams:
         return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed, **extras)
 
-    def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None) -> TextStream:
+    def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
+                    chat: bool = True) -> TextStream:
         """Submit now (raises QueueFull / PromptTooLong at once); iterate the result for text."""
-        return TextStream(self, prompt, params, stop or [])
+        return TextStream(self, prompt, params, stop or [], chat)
 
     def close(self) -> None:
         self.engine.shutdown()

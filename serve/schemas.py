@@ -7,6 +7,13 @@ provider (`IGNORED`: user ids, metadata, caching and storage hints) are accepted
 does; OpenAI parameters this server does not implement are declared in `UNSUPPORTED` with their
 no-op value: any other value is refused with a 400 that names the parameter. `top_k` is an extension
 (as in vLLM).
+
+`sparkchat_parts` (an extension) carries an assistant reply as the model wrote it: its words, the
+calculator calls and their results, in order (model.chat's content parts). A response's
+`message.content` holds the words alone (no call, no result, no `#### N` answer line); the same message
+holds `sparkchat_parts` beside it (when streaming: the delta of the chunk that finishes the choice).
+Send an assistant message back with both, and the server renders that turn from the parts, exactly as
+the model produced it; with `content` alone it renders the words as plain text.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from model.chat import PART_TYPES
 from model.engine import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -34,9 +42,17 @@ class TextPart(_Strict):
     text: str
 
 
+class ReplyPart(_Strict):
+    """One part of an assistant reply: words (text), a calculator call (python) or its result (python_output)."""
+    type: Literal[PART_TYPES]
+    text: str
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
     content: Union[str, list[TextPart]]
+    sparkchat_parts: Optional[list[ReplyPart]] = Field(
+        None, description="extension, assistant messages only: the reply as the server returned it")
 
 
 class StreamOptions(_Strict):
@@ -179,6 +195,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
     refusal: Optional[str] = None
+    sparkchat_parts: list[ReplyPart] = Field(description="extension: the reply with its calculator use")
 
 
 class TopLogprob(BaseModel):
@@ -216,10 +233,13 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    sparkchat_parts: Optional[list[ReplyPart]] = None  # extension: in the delta that finishes a choice
 
     @model_serializer
     def _present_only(self):  # OpenAI sends {"role": ..., "content": ""}, {"content": ...}, then {}
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content),
+                  ("sparkchat_parts", self.sparkchat_parts and [p.model_dump() for p in self.sparkchat_parts]))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChunkChoice(BaseModel):

@@ -16,14 +16,14 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from model.chat import ChatFormatError
+from model.chat import ChatFormatError, content_text, display_words
 from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
 from .errors import APIError
 from .runtime import Runtime, TextStream
-from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice,
-                      ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
+from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
+                      Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
 SEED_STRIDE = 1  # choice i of a seeded request uses seed + i
 
@@ -57,7 +57,7 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
     try:
-        ids = runtime.render([m.model_dump() for m in req.messages])
+        ids = runtime.render([_message(i, m) for i, m in enumerate(req.messages)])
     except ChatFormatError as e:
         raise APIError(400, str(e), "messages") from None
     if len(ids) >= runtime.context_len:
@@ -65,6 +65,21 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
                             f"messages resulted in {len(ids)} tokens, leaving no room for a reply. Please "
                             f"shorten the messages.", "messages", "context_length_exceeded")
     return ids
+
+
+def _message(i: int, m: ChatMessage) -> dict:
+    """A request message for the renderer: an assistant turn sent back with its `sparkchat_parts`
+    renders from them (tool calls, results and answer line as the model wrote them)."""
+    if m.sparkchat_parts is None:
+        return {"role": m.role, "content": m.model_dump()["content"]}
+    if m.role != "assistant":
+        raise APIError(400, f"messages[{i}]: only assistant messages carry sparkchat_parts",
+                       f"messages[{i}].sparkchat_parts")
+    parts = [p.model_dump() for p in m.sparkchat_parts]
+    if content_text(m.model_dump()["content"]).strip() != display_words(parts).strip():
+        raise APIError(400, f"messages[{i}]: content is not the words of its sparkchat_parts (send the "
+                            f"message back unchanged, or without sparkchat_parts)", f"messages[{i}].content")
+    return {"role": "assistant", "content": parts}
 
 
 def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | None, **extras) -> SamplingParams:
@@ -79,12 +94,12 @@ def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | No
 
 
 def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]], stop: list[str],
-                 prompt_param: str = "messages") -> list[TextStream]:
+                 prompt_param: str = "messages", chat: bool = True) -> list[TextStream]:
     """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors."""
     streams: list[TextStream] = []
     try:
         for prompt, params in jobs:
-            streams.append(runtime.open_stream(prompt, params, stop))
+            streams.append(runtime.open_stream(prompt, params, stop, chat))
     except (QueueFull, EngineStopped) as e:
         for s in streams:
             s.cancel()
@@ -194,7 +209,7 @@ def sse(body: dict) -> str:
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
     streams = _chat_streams(req, runtime, prompt)
     texts = await collect(streams, raw)
-    choices = [Choice(index=i, message=AssistantMessage(content=t), finish_reason=finish_reason(s),
+    choices = [Choice(index=i, message=AssistantMessage(content=t, sparkchat_parts=s.parts), finish_reason=finish_reason(s),
                       logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
                for i, (t, s) in enumerate(zip(texts, streams))]
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=runtime.model_id,
@@ -223,10 +238,12 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
                 async for i, piece in pieces:
                     s = streams[i]
                     if piece is None:  # tokens whose text was held back (a possible stop string) come last
-                        yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=finish_reason(s),
-                                                 logprobs=logprobs(s))])
-                    else:
-                        yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=logprobs(s))])
+                        yield chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
+                                                 finish_reason=finish_reason(s), logprobs=logprobs(s))])
+                        continue
+                    lp = logprobs(s)
+                    if piece or lp:  # "" marks a tool use: its parts come with the last chunk
+                        yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
             if include_usage:
                 yield chunk([], _usage(prompt, streams))
             yield "data: [DONE]\n\n"

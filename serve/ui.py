@@ -3,16 +3,42 @@
 It drives the same `Runtime` (and so the same engine batch) in-process: no HTTP call to itself. The
 reply streams as it is generated; Gradio's stop button cancels the generator, which frees the engine
 row at once (TextStream cancels on close).
+
+A reply shows as the API and the terminal show it (model.chat.ReplyReader): each calculator use as a
+collapsed tool message, then the assistant's words. The words are what Gradio gives back as history, so
+the page keeps each reply's parts (calculator calls, results and answer line, as the model wrote them)
+in a per-session State keyed by those words, and the next turn's prompt renders the history as trained.
+A conversation that outgrows the context loses its oldest exchanges, as in the terminal, with a note.
+
+Above the chat, a line says which model is served: its size and training from the model directory, and
+its held-out scores from the evaluate stage's metrics when the served directory is one it scored.
 """
 from __future__ import annotations
 
 import hmac
+import json
+from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
 
-from model.chat import ChatFormatError
+from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
 from model.engine import EngineStopped, QueueFull
+from model.model_dir import describe_model_dir
+from sparkchat import paths
+
+# What the default model does reliably (pipeline/synthetic.py's tasks; scores on the model line above the
+# chat): arithmetic and word problems with the calculator, letter counting, capitals, who it is.
+# Spelling and the largest of four are left out: it scores 0 and about twice chance on them.
+EXAMPLES = [
+    "What is 37 + 58?",
+    "Maya has 12 apples and gets 30 more. How many apples does Maya have now?",
+    "How many times does the letter 'e' appear in 'cheese'?",
+    "What is the capital of France?",
+    "Who are you?",
+]
+TOOL_TITLE = "Calculator"
+EMPTY = "(empty reply)"
 
 
 def _text(content) -> str:
@@ -26,60 +52,128 @@ def _text(content) -> str:
     return ""
 
 
-def to_messages(message, history, system_prompt: str) -> list[dict]:
+def _is_tool(turn: dict) -> bool:
+    return bool((turn.get("metadata") or {}).get("title"))
+
+
+def to_messages(message, history, system_prompt: str, replies: dict | None = None) -> list[dict]:
+    """Gradio's history + the new message -> chat messages. Gradio may split a turn into several messages
+    (a reply is its tool messages and its words); an assistant turn whose words are in `replies` (words
+    -> parts, kept by respond) becomes those parts, any other its words as plain text."""
     msgs = [{"role": "system", "content": system_prompt.strip()}] if system_prompt and system_prompt.strip() else []
     for turn in history or []:
         role = turn.get("role") if isinstance(turn, dict) else None
-        if role in ("user", "assistant"):
-            text = _text(turn.get("content"))
-            if msgs and msgs[-1]["role"] == role:  # gradio may split one turn into several messages
-                msgs[-1]["content"] += text
-            else:
-                msgs.append({"role": role, "content": text})
+        if role not in ("user", "assistant"):
+            continue
+        text = "" if _is_tool(turn) else _text(turn.get("content"))
+        if msgs and msgs[-1]["role"] == role:
+            msgs[-1]["words"] += text
+        else:
+            msgs.append({"role": role, "words": text})
+    for m in msgs:
+        if "words" in m:
+            words = m.pop("words")
+            m["content"] = (replies or {}).get(words, words) if m["role"] == "assistant" else words
     msgs.append({"role": "user", "content": _text(message)})
     return msgs
 
 
-def build_ui(app: FastAPI) -> gr.ChatInterface:
-    async def respond(message, history, system_prompt, temperature, top_k, max_tokens):
+def reply_messages(words: str, tool_uses: list[ToolUse], done: bool = False) -> list[gr.ChatMessage]:
+    """A reply as chat messages: a collapsed tool message per calculator use, then the words."""
+    out = [gr.ChatMessage(role="assistant", metadata={"title": TOOL_TITLE, "log": str(u), "status": "done"},
+                          content=f"```\n{u.call}\n```\n" + ("no result" if u.output is None else f"result: `{u.output}`"))
+           for u in tool_uses]
+    if words or (done and not out):
+        out.append(gr.ChatMessage(role="assistant", content=words or EMPTY))
+    return out
+
+
+def model_line(model_dir: Path, root: Path = Path(".")) -> str:
+    """Which model is served, in one line of markdown: from the model directory's files, and the
+    evaluate stage's held-out scores (`root` / paths.metrics_file) when it scored this directory."""
+    d = describe_model_dir(model_dir)
+    cfg, meta = d["config"], d["meta"]
+    if not cfg:
+        return f"Serving `{model_dir}`."
+    size = f"{meta['params'] / 1e6:.1f}M parameters, " if "params" in meta else ""
+    out = [f"Serving `{model_dir}`: {size}{cfg.get('n_layer', '?')} layers, context {cfg.get('seq_len', '?')} tokens"]
+    if "stage" in meta:
+        tokens = f", {meta['tokens'] / 1e6:.1f}M tokens" if "tokens" in meta else ""
+        out.append(f"; {meta['stage']}: {meta.get('steps', '?')} steps{tokens}, {meta.get('backend_label', '?')}")
+    try:
+        data = json.loads((root / paths.stage_params("prepare")).read_text())["data"]
+        out.append(f"; trained on {', '.join(data['pretrain_sources'] + data['chat_sources'])}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    out.append(".")
+    name = next((n for n, p in paths.EVAL_MODELS.items() if (root / p).resolve() == Path(model_dir).resolve()), None)
+    try:
+        metrics = json.loads((root / paths.metrics_file("evaluate")).read_text())
+        scores, chance = metrics[name], metrics.get("chance", {})
+        out.append(" Held-out scores: " + ", ".join(
+            f"{task.replace('_', ' ')} {v:.0%}" + (f" (chance {chance[task]:.0%})" if chance.get(task) else "")
+            for task, v in scores.items() if task != "val_bpb") + ".")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return "".join(out)
+
+
+def build_ui(app: FastAPI) -> gr.Blocks:
+    settings = app.state.settings
+    described = describe_model_dir(settings.model_dir)
+    gen, context = described["generation"], int(described["config"].get("seq_len", 1024))
+
+    async def respond(message, history, system_prompt, temperature, top_k, max_tokens, replies):
         runtime = app.state.runtime
         if runtime is None:
             raise gr.Error("The model is still loading; try again in a moment.")
+        replies = dict(replies or {})
         try:
-            prompt = runtime.render(to_messages(message, history, system_prompt))
+            prompt, _, dropped = fit_history(runtime.tokenizer, to_messages(message, history, system_prompt, replies),
+                                             history_budget(runtime.context_len, int(max_tokens)))
         except ChatFormatError as e:
             raise gr.Error(str(e))
         if len(prompt) >= runtime.context_len:
-            raise gr.Error(f"The conversation is {len(prompt)} tokens, over the model's context of "
-                           f"{runtime.context_len}. Clear the chat to start again.")
+            raise gr.Error(f"The message is {len(prompt)} tokens, over the model's context of "
+                           f"{runtime.context_len}. Shorten it.")
+        if dropped:
+            gr.Info(f"The conversation outgrew the model's context of {runtime.context_len} tokens: the model "
+                    f"sees it without its {dropped} oldest messages.")
         params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=int(max_tokens))
         try:
             stream = runtime.open_stream(prompt, params)
         except (QueueFull, EngineStopped) as e:
             raise gr.Error(f"The server is busy ({e}); try again shortly.")
-        reply = ""
+        words = ""
         async for piece in stream:  # closing this generator (stop button) cancels the stream
-            reply += piece
-            yield reply
-        if not reply:
-            yield "(empty reply)"
+            words += piece
+            yield reply_messages(words, stream.tool_uses), replies
+        replies[words or EMPTY] = stream.parts
+        yield reply_messages(words, stream.tool_uses, done=True), replies
 
-    return gr.ChatInterface(
-        respond,
-        title="sparkchat",
-        description="A small ChatGPT-style model, trained from scratch.",
-        textbox=gr.Textbox(placeholder="Message sparkchat", show_label=False, scale=7, autofocus=True,
-                           submit_btn=True, stop_btn=True),
-        additional_inputs=[
-            gr.Textbox(label="System prompt", value="", lines=2, render=False),
-            gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature", render=False),
-            gr.Slider(0, 200, value=50, step=1, label="Top-k (0: off)", render=False),
-            gr.Slider(1, 1024, value=256, step=1, label="Max tokens", render=False),
-        ],
-        additional_inputs_accordion=gr.Accordion("Settings: system prompt, sampling", open=False, render=False),
-        stop_btn=True,
-        fill_height=True,
-    )
+    with gr.Blocks(title="sparkchat", fill_height=True) as page:
+        replies = gr.State({})
+        gr.ChatInterface(
+            respond,
+            title="sparkchat",
+            description=model_line(settings.model_dir),
+            textbox=gr.Textbox(placeholder="Message sparkchat", show_label=False, scale=7, autofocus=True,
+                               submit_btn=True, stop_btn=True),
+            examples=[[e] for e in EXAMPLES],
+            additional_inputs=[
+                gr.Textbox(label="System prompt", value="", lines=2, render=False),
+                gr.Slider(0.0, 2.0, value=gen["temperature"], step=0.05, label="Temperature", render=False),
+                gr.Slider(0, 200, value=gen["top_k"], step=1, label="Top-k (0: off)", render=False),
+                gr.Slider(1, context, value=min(gen["max_tokens"], context), step=1,
+                          label=f"Max tokens (the model's context: {context})", render=False),
+                replies,
+            ],
+            additional_outputs=[replies],
+            additional_inputs_accordion=gr.Accordion("Settings: system prompt, sampling", open=False, render=False),
+            stop_btn=True,
+            fill_height=True,
+        )
+    return page
 
 
 def mount_ui(app: FastAPI, settings) -> None:

@@ -2,6 +2,10 @@
 
 A front end over `model/` like the server, wired the same way (model.chat_engine), and lighter: no HTTP.
 The parser is built without torch; the model code loads after the flags are read.
+
+A reply shows as the server shows it (model.chat.ReplyReader): the assistant's words, and each
+calculator use on a dimmed line of its own; the history keeps the reply's parts, so the next turn's
+prompt holds the calculator call and result exactly as the model wrote them.
 """
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import queue
 import sys
 
 from sparkchat import paths
+
+DIM, PLAIN = "\033[2m", "\033[0m"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,11 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
 
-    from model.chat import TOOL_DISPLAY
     from model.chat_engine import chat_engine, sampling_params
-    from model.engine import Token
     from model.model_dir import ModelDirError, load_model_dir
-    from model.tokenizer import StreamDecoder
 
     try:
         model, tok, gen = load_model_dir(args.model, device=args.device)
@@ -56,49 +59,56 @@ def main(argv: list[str] | None = None) -> None:
             if not text:
                 continue
             messages.append({"role": "user", "content": text})
-            # leave the reply room: at most half the context, at most what it may use
-            budget = engine.max_len - min(params.max_tokens, engine.max_len // 2)
-            ids, messages, dropped = fit_history(tok, messages, budget)
-            if dropped:
-                print(f"\033[2m(the conversation outgrew the model's context of {engine.max_len} tokens: "
-                      f"{dropped} earlier messages dropped{', the system prompt kept' if args.system else ''})"
-                      f"\033[0m", file=sys.stderr)
-            events: queue.Queue = queue.Queue()
             try:
-                engine.submit(ids, params, events.put)
+                messages = answer(engine, tok, messages, params, sys.stdout)
             except Exception as e:  # a full queue or a prompt the engine refuses: say so, keep chatting
                 print(f"error: {e}", file=sys.stderr)
                 messages.pop()
-                continue
-            decoder = StreamDecoder(tok, TOOL_DISPLAY)
-            reply = ""
-            while isinstance(ev := events.get(), Token):
-                piece = decoder.push(ev.id)
-                print(piece, end="", flush=True)
-                reply += piece
-            tail = decoder.flush()
-            print(tail)
-            if ev.reason == "error":
-                print(f"error: {ev.error}", file=sys.stderr)
-            messages.append({"role": "assistant", "content": reply + tail})
     finally:
         engine.shutdown()
 
 
-def fit_history(tok, messages: list[dict], budget: int) -> tuple[list[int], list[dict], int]:
-    """The prompt ids of `messages`, dropping the oldest exchanges (never the system prompt, never the
-    last message) until they fit `budget` ids: (ids, the messages kept, how many were dropped). A cut
-    in the middle of the ids would lose <|bos|> and the system prompt and start mid-turn."""
-    from model.chat import render
-    head = messages[:1] if messages and messages[0]["role"] == "system" else []
-    turns = messages[len(head):]
-    dropped = 0
-    while True:
-        ids, _ = render(tok, head + turns, for_completion=True)
-        if len(ids) <= budget or len(turns) <= 1:
-            return ids, head + turns, dropped
-        cut = 2 if len(turns) > 2 and turns[1]["role"] == "assistant" else 1  # a user turn and its reply
-        turns, dropped = turns[cut:], dropped + cut
+def answer(engine, tok, messages: list[dict], params, out) -> list[dict]:
+    """One exchange: prompts with `messages` (ending with the user's), streams the reply to `out` and
+    returns the conversation that goes on: the messages kept (the oldest exchanges are dropped, with a
+    note, when they outgrow the context) and the reply as its content parts."""
+    from model.chat import fit_history, history_budget
+    ids, messages, dropped = fit_history(tok, messages, history_budget(engine.max_len, params.max_tokens))
+    if dropped:
+        kept = ", the system prompt kept" if messages[0]["role"] == "system" else ""
+        print(f"{DIM}(the conversation outgrew the model's context of {engine.max_len} tokens: "
+              f"{dropped} earlier messages dropped{kept}){PLAIN}", file=sys.stderr)
+    return messages + [{"role": "assistant", "content": reply(engine, tok, ids, params, out)}]
+
+
+def reply(engine, tok, ids: list[int], params, out) -> list[dict]:
+    """Generate a reply to the prompt `ids`, streaming it to `out` (words as they come, each calculator
+    use on a dimmed line of its own); returns the reply's content parts for the history."""
+    from model.chat import ReplyReader, ToolUse
+    from model.engine import Token
+    events: queue.Queue = queue.Queue()
+    engine.submit(ids, params, events.put)  # raises on a full queue or a prompt the engine refuses
+    reader = ReplyReader(tok)
+    dim, plain = (DIM, PLAIN) if out.isatty() else ("", "")
+    at_line_start, shown = True, False
+
+    def show(items) -> None:
+        nonlocal at_line_start, shown
+        for item in items:
+            if isinstance(item, ToolUse):
+                item = f"{'' if at_line_start else chr(10)}{dim}  calculator: {item}{plain}\n"
+            out.write(item)
+            at_line_start, shown = item.endswith("\n"), True
+        out.flush()
+
+    while isinstance(ev := events.get(), Token):
+        show(reader.push(ev.id))
+    show(reader.finish())
+    if not at_line_start or not shown:
+        out.write("\n")
+    if ev.reason == "error":
+        print(f"error: {ev.error}", file=sys.stderr)
+    return reader.parts
 
 
 if __name__ == "__main__":

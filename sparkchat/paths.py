@@ -42,6 +42,8 @@ TRAIN_STAGES = ("pretrain", "midtrain", "sft")
 MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACTS / "midtrain" / "model",
               "sft": ARTIFACTS / "model"}
 CHAT_MODEL = MODEL_DIRS["sft"]
+# the models the evaluate stage scores, by their name in its metrics file (metrics_file("evaluate"))
+EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": CHAT_MODEL}
 
 PROBE = ARTIFACTS / "probe"
 

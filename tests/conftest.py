@@ -107,3 +107,52 @@ def serve_start():
     yield start
     for s in servers:
         s.stop()
+
+
+# ---- conversation fixtures: a tiny real model trained in the session to use the calculator ----
+
+CONV_TOOL_CHATS = [  # the synthetic data's formats (pipeline/synthetic.py): arithmetic, word problem, chat
+    [{"role": "user", "content": "What is 37 + 58?"},
+     {"role": "assistant", "content": [{"type": "python", "text": "37 + 58"}, {"type": "python_output", "text": "95"},
+                                       {"type": "text", "text": "37 + 58 = 95"}]}],
+    [{"role": "user", "content": "Maya has 12 apples and gets 30 more. How many now?"},
+     {"role": "assistant", "content": [{"type": "text", "text": "We need "}, {"type": "python", "text": "12 + 30"},
+                                       {"type": "python_output", "text": "42"},
+                                       {"type": "text", "text": "12 + 30 = 42.\n#### 42"}]}],
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help you?"}],
+]
+
+
+@pytest.fixture(scope="session")
+def conv_tool_chats():
+    return CONV_TOOL_CHATS
+
+
+@pytest.fixture(scope="session")
+def conv_tool_model_dir(tmp_path_factory, serve_tokenizer):
+    """A 2-layer GPT that has learned CONV_TOOL_CHATS by heart (a few seconds of AdamW): asked one of
+    their questions greedily, it writes the calculator call, and the engine feeds the real result."""
+    from model.chat import render
+    from model.gpt import GPT, GPTConfig
+    from model.model_dir import save_model_dir
+    tok = serve_tokenizer
+    rows = [render(tok, chat)[0] for chat in CONV_TOOL_CHATS]
+    width = max(map(len, rows)) - 1
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    y = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        x[r, :len(ids) - 1], y[r, :len(ids) - 1] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_embd=64, n_head=2, n_kv_head=1, seq_len=128))
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(80):
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, f"the tiny tool model did not learn its chats (loss {loss.item():.3f})"
+    path = tmp_path_factory.mktemp("conv_tool_model")
+    save_model_dir(path, model.eval(), tok, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_tokens": 40,
+                                             "tool_use": True})
+    return path

@@ -93,8 +93,7 @@ def test_chat_command_names_a_missing_model(tmp_path):
 
 
 def test_chat_history_drops_old_turns_keeping_the_system_prompt(serve_tokenizer):
-    from model.chat import render
-    from sparkchat.chat import fit_history
+    from model.chat import fit_history, render
     tok = serve_tokenizer
     msgs = [{"role": "system", "content": "Be brief."}]
     for i in range(12):
@@ -108,3 +107,37 @@ def test_chat_history_drops_old_turns_keeping_the_system_prompt(serve_tokenizer)
     assert kept[0] == msgs[0] and kept[-1] == msgs[-1] and kept[1]["role"] == "user"
     assert ids == render(tok, kept, for_completion=True)[0] and ids[0] == tok.bos_id
     assert fit_history(tok, msgs, len(full)) == (full, msgs, 0)  # fits: nothing dropped
+
+
+def test_chat_command_shows_a_calculator_use_on_a_line_of_its_own(conv_tool_model_dir):
+    r = sparkchat("chat", "--model", str(conv_tool_model_dir), input="What is 37 + 58?\n")
+    assert r.returncode == 0, r.stderr
+    _, reply, bye = r.stdout.split("> ")
+    assert reply == "  calculator: 37 + 58 → 95\n37 + 58 = 95\n" and bye == "\n"  # not "`37 + 58 = 95`37 + 58 = 95"
+
+
+def test_chat_history_keeps_the_reply_parts(conv_tool_model_dir, conv_tool_chats):
+    """The next turn's prompt holds the calculator call, its result and the answer line as the model
+    wrote them, not the words shown."""
+    import io
+
+    from model.chat import render
+    from model.chat_engine import chat_engine, sampling_params
+    from model.model_dir import load_model_dir
+    from sparkchat.chat import answer
+    model, tok, gen = load_model_dir(conv_tool_model_dir)
+    engine = chat_engine(model, tok, gen, max_batch=1)
+    prompts, submit = [], engine.submit
+    engine.submit = lambda ids, *a: (prompts.append(list(ids)), submit(ids, *a))[1]  # record, then submit
+    question, trained = conv_tool_chats[1]
+    hello = {"role": "user", "content": "Hello!"}
+    try:
+        out = io.StringIO()
+        history = answer(engine, tok, [question], sampling_params(gen), out)
+        assert out.getvalue() == "We need \n  calculator: 12 + 30 → 42\n12 + 30 = 42.\n"
+        assert history == [question, trained]
+        history = answer(engine, tok, history + [hello], sampling_params(gen), io.StringIO())
+    finally:
+        engine.shutdown()
+    assert prompts[1] == render(tok, [question, trained, hello], for_completion=True)[0]
+    assert history[:3] == [question, trained, hello] and history[3]["role"] == "assistant"

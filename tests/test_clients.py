@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.chat import TOOL_DISPLAY, render
+from model.chat import read_reply, render
 from model.engine import Engine, EngineConfig, SamplingParams
-from model.tokenizer import StreamDecoder
 from serve.api import Settings, create_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -136,8 +135,7 @@ def test_lm_eval_generation_through_chat(server, serve_model, serve_tokenizer, t
         def reply(q: str) -> str:
             ids, _ = engine.generate(render(serve_tokenizer, [{"role": "user", "content": q}], for_completion=True)[0],
                                      SamplingParams(temperature=0, max_tokens=6))
-            dec = StreamDecoder(serve_tokenizer, TOOL_DISPLAY)  # as the server shows a reply
-            return ("".join(dec.push(i) for i in ids) + dec.flush()).split("\n\n")[0]
+            return read_reply(serve_tokenizer, ids).words.split("\n\n")[0]  # as the server shows a reply
         own = [reply(q) for q in questions]
     finally:
         engine.shutdown()

@@ -58,6 +58,18 @@ def test_synthetic_items_are_correct_and_seeded():
             assert outs[-1] == it["answer"]
 
 
+def test_synthetic_items_come_alone_and_again_in_multi_turn_conversations():
+    items = synthetic.generate_train(300, seed=3)
+    convs = synthetic.conversations(items, 0.5, seed=5)
+    alone, multi = convs[:300], convs[300:]
+    assert alone == [synthetic.to_messages(it) for it in items]  # as the evals ask
+    again = [m for c in multi for m in c]
+    assert len(again) == 2 * 150 and all(m in [x for it in items for x in synthetic.to_messages(it)] for m in again)
+    assert {len(c) // 2 for c in multi[:-1]} == set(synthetic.MULTI_TURNS)
+    assert all(c[-1]["role"] == "assistant" for c in multi)
+    assert synthetic.conversations(items, 0.0, seed=5) == alone
+
+
 def test_chunking_keeps_all_text():
     doc = "\n\n".join(f"paragraph {i} " * 20 for i in range(100))
     chunks = chunk_document(doc, size=1000)
@@ -80,7 +92,7 @@ def test_prepare_holds_out_eval_items(tmp_path):
     assert raw & held, "test is vacuous: no collision to remove"
     for name in ("mid_train", "sft_train", "chat_val"):
         rows = datasets.Dataset.from_parquet(str(out / f"{name}.parquet"))["messages"]
-        prompts = {synthetic.normalize_prompt(json.loads(m)[0]["content"]) for m in rows}
+        prompts = {synthetic.normalize_prompt(t["content"]) for m in rows for t in json.loads(m) if t["role"] == "user"}
         assert not prompts & held, name
     assert stats["chat_train"] > 0 and stats["pretrain_val_chars"] > 0
 

@@ -224,7 +224,7 @@ def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
 
 @pytest.mark.parametrize("tool_use", [True, False])
 def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool_use):
-    from model.chat import TOOL_DISPLAY
+    from model.chat import ToolUse, read_reply
     from model.chat_engine import chat_engine, sampling_params
     from model.model_dir import DEFAULT_GENERATION
     from model.tokenizer import StreamDecoder
@@ -243,9 +243,8 @@ def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool
     finally:
         engine.shutdown()
     assert fin.reason == "stop"  # <|assistant_end|> is a stop id, not emitted
-    dec = StreamDecoder(tok, TOOL_DISPLAY)
-    text = "".join(dec.push(i) for i in ids) + dec.flush()
-    assert text == ("`6*7 = 42`" if tool_use else "`6*7 = ")
+    reply = read_reply(tok, ids)
+    assert reply.tool_uses == [ToolUse("6*7", "42" if tool_use else None)] and reply.words == ""
     dropped = StreamDecoder(tok)  # without a display, special ids are skipped
     assert "".join(dropped.push(i) for i in ids) + dropped.flush() == ("6*742" if tool_use else "6*7")
 
@@ -261,10 +260,9 @@ def test_sampling_params_fill_in_generation_defaults():
 
 
 def test_utf8_pieces_are_whole(serve_tokenizer):
-    from model.chat import TOOL_DISPLAY
     from model.tokenizer import StreamDecoder
     text = "Café naïve 你好世界 🙂🚀 résumé"
-    dec = StreamDecoder(serve_tokenizer, TOOL_DISPLAY)
+    dec = StreamDecoder(serve_tokenizer)
     pieces = [dec.push(i) for i in serve_tokenizer.encode(text)] + [dec.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p) > 5  # it did stream

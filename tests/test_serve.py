@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from model.chat import render
+from model.chat import display_words, render
 from serve.api import Settings, create_app
 from serve.runtime import Runtime
 
@@ -117,7 +117,10 @@ def test_raw_sse_frames(server):
     assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
     objs = [json.loads(f[6:]) for f in frames[:-1]]
     assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert objs[-1]["choices"][0]["delta"] == {} and objs[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(o["choices"][0]["delta"].get("content", "") for o in objs)
+    # the delta that finishes the choice carries only the reply's parts (the extension), here all words
+    assert objs[-1]["choices"][0]["delta"] == {"sparkchat_parts": [{"type": "text", "text": text}]}
+    assert objs[-1]["choices"][0]["finish_reason"] == "length"
     assert "usage" not in objs[0]  # not asked for
 
 
@@ -132,6 +135,9 @@ def test_stop_strings(client):
     chunks = list(chat(client, max_tokens=24, seed=11, stop=stop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # the parts stop where the words did, so the reply sent back renders what the client saw
+    assert display_words(r.choices[0].message.sparkchat_parts) == expected
+    assert display_words(chunks[-1].choices[0].delta.sparkchat_parts) == expected
 
 
 def test_n2_and_seeds(client):
@@ -384,3 +390,54 @@ def test_served_model_name(serve_start, serve_model_dir):
     assert chat(client, model="my-chat", max_tokens=3).model == "my-chat"
     with pytest.raises(openai.NotFoundError):
         chat(client, model="sparkchat", max_tokens=3)
+
+
+
+# ---- a reply that uses the calculator: its words once, its parts apart, its history as trained ----
+
+@pytest.fixture(scope="module")
+def tool_client(serve_start, conv_tool_model_dir):
+    srv = serve_start(create_app(Settings(model_dir=conv_tool_model_dir, ui=False)))
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_a_tool_using_reply_shows_its_words_once(tool_client, conv_tool_chats):
+    question, trained = conv_tool_chats[1]  # a word problem: words, a call, its result, words, "#### 42"
+    r = chat(tool_client, messages=[question])
+    message = r.choices[0].message
+    assert message.content == "We need 12 + 30 = 42."  # no call glued in, no backticks, no answer marker
+    assert message.sparkchat_parts == trained["content"]  # everything the model wrote, in order
+    chunks = list(chat(tool_client, messages=[question], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].delta.sparkchat_parts == trained["content"]
+
+
+def test_history_sent_back_with_its_parts_renders_as_trained(tool_client, conv_tool_chats, serve_tokenizer):
+    question, trained = conv_tool_chats[1]
+    first = chat(tool_client, messages=[question]).choices[0].message
+    sent_back = {"role": "assistant", "content": first.content, "sparkchat_parts": first.sparkchat_parts}
+    follow_up = {"role": "user", "content": "Hello!"}
+    r = chat(tool_client, messages=[question, sent_back, follow_up], max_tokens=1)
+    as_trained = render(serve_tokenizer, [question, trained, follow_up], for_completion=True)[0]
+    assert r.usage.prompt_tokens == len(as_trained)
+    # without the parts, the words alone are the turn (a plain-text history, as any OpenAI client sends)
+    words_only = chat(tool_client, messages=[question, {"role": "assistant", "content": first.content}, follow_up],
+                      max_tokens=1)
+    as_words = render(serve_tokenizer, [question, {"role": "assistant", "content": first.content}, follow_up],
+                      for_completion=True)[0]
+    assert words_only.usage.prompt_tokens == len(as_words) < len(as_trained)
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "content": "We need 43.", "sparkchat_parts": [{"type": "text", "text": "We need 42."}]},
+     "messages[1].content"),
+    ({"role": "user", "content": "Hi", "sparkchat_parts": [{"type": "text", "text": "Hi"}]},
+     "messages[1].sparkchat_parts"),
+    ({"role": "assistant", "content": "x", "sparkchat_parts": [{"type": "tool", "text": "x"}]},
+     "messages[1].sparkchat_parts[0].type"),
+])
+def test_400_parts_that_do_not_match(tool_client, message, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(tool_client, messages=[{"role": "user", "content": "Hello!"}, message,
+                                    {"role": "user", "content": "Hello!"}])
+    assert error_of(e)["param"] == param

@@ -30,6 +30,14 @@ class SlowModel:
         return self.model(*a, **kw)
 
 
+BROWSER_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+    # hermetic, and no waiting on web fonts: every host but loopback fails to resolve at once
+    # (request interception would buffer Gradio's event stream, so it is not used)
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+
+
 @pytest.fixture(scope="module")
 def ui_server(serve_start, serve_model_dir):
     from serve.api import Settings, create_app
@@ -46,12 +54,7 @@ def ui_server(serve_start, serve_model_dir):
 def test_chat_page_streams_a_reply(ui_server):
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run",
-            # hermetic, and no waiting on web fonts: every host but loopback fails to resolve at once
-            # (request interception would buffer Gradio's event stream, so it is not used)
-            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1100, "height": 800})
             page.goto(ui_server.url + "/", wait_until="domcontentloaded")
@@ -108,3 +111,43 @@ def test_chat_page_streams_a_reply(ui_server):
     assert stop_seen, "no stop button while the reply streamed"
     assert any(cancels), "the reply was not cancelled: it ended by itself before the stop button acted"
     assert stopped_in < 2, "the stop button did not free the engine row"
+
+
+def test_a_tool_using_reply_and_the_next_turn(serve_start, conv_tool_model_dir, conv_tool_chats, serve_tokenizer):
+    """The calculator use shows as a collapsed tool message, the words once (no answer marker, so no
+    heading); the next turn's prompt holds the reply as the model wrote it."""
+    from model.chat import render
+    from serve.api import Settings, create_app
+    server = serve_start(create_app(Settings(model_dir=conv_tool_model_dir)))
+    runtime = server.app.state.runtime
+    prompts, open_stream = [], runtime.open_stream
+    runtime.open_stream = lambda prompt, *a: (prompts.append(list(prompt)), open_stream(prompt, *a))[1]
+    question, trained = conv_tool_chats[1]
+    hello = {"role": "user", "content": "Hello!"}
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            page.goto(server.url + "/", wait_until="domcontentloaded")
+            box = page.get_by_placeholder("Message sparkchat")
+            box.wait_for(timeout=30_000)
+            box = box.element_handle()
+            for turn, text in enumerate((question["content"], hello["content"]), 1):
+                box.fill(text)
+                box.press("Enter")
+                deadline = time.time() + 30
+                while (len(prompts) < turn or runtime.engine.num_active) and time.time() < deadline:
+                    time.sleep(0.05)
+                page.get_by_test_id("stop-button").wait_for(state="hidden", timeout=30_000)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(ARTIFACTS / "chat_page_tool.png"), full_page=True)
+            chat = page.locator(".message-wrap")
+            shown = chat.inner_text()
+            headings = chat.locator("h1, h2, h3, h4, h5, h6").count()
+            tool_header = page.get_by_text("12 + 30 → 42").count()
+        finally:
+            browser.close()
+    assert "We need 12 + 30 = 42." in shown and "Calculator" in shown and tool_header == 1
+    assert "####" not in shown and headings == 0 and "`" not in shown and "42`12" not in shown
+    assert prompts[1] == render(serve_tokenizer, [question, trained, hello], for_completion=True)[0]
