@@ -9,12 +9,17 @@ Assistant content is a string or a list of parts: {"type": "text"}, {"type": "py
 call, rendered between python_start/end) and {"type": "python_output"} (the tool's answer, rendered
 between output_start/end). The mask is 1 on what the model must learn to produce: assistant text, tool
 calls and the closing <|assistant_end|>; 0 on prompts and tool outputs (the engine supplies those).
+
+A tokenizer without the system tokens (nanochat's, in a published NanoChat checkpoint) gets the system
+prompt in front of the first user message, separated by a blank line, as nanochat renders it.
 """
 from __future__ import annotations
 
 from .tokenizer import SparkTokenizer
 
 ROLES = ("system", "user", "assistant")
+# a reply ends at either (model/chat_engine.py stops the engine there; the engine does not emit them)
+STOP_TOKENS = ("<|assistant_end|>", "<|bos|>")
 
 # How a reply's tool tokens read when it is shown as text (tokenizer.StreamDecoder): "... `12*7 = 84` ..."
 TOOL_DISPLAY = {"<|python_start|>": "`", "<|python_end|>": " = ", "<|output_start|>": "", "<|output_end|>": "`"}
@@ -59,6 +64,12 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
     the ids end with <|assistant_start|>, ready for generation."""
     validate(messages)
     s = tok.special
+    if messages[0]["role"] == "system" and "<|system_start|>" not in s:
+        if len(messages) < 2 or messages[1]["role"] != "user":
+            raise ChatFormatError("this model has no system tokens: a system message must be followed by a user message")
+        first = {"role": "user", "content": content_text(messages[0]["content"]) + "\n\n"
+                 + content_text(messages[1]["content"])}
+        messages = [first] + messages[2:]
     ids, mask = [tok.bos_id], [0]
 
     def add(tokens, m):

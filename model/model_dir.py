@@ -6,7 +6,10 @@
     generation.json    sampling defaults and whether the model was trained to call the calculator
     checksums.json     sha256 and size of each file above, written last: the directory's commit point
 
-No DVC, no Transformer Engine and no training params are needed to load it.
+No DVC, no Transformer Engine and no training params are needed to load it. `load_model_dir` also takes a
+Hugging Face transformers NanoChat directory (what `sparkchat export` writes, or a published NanoChat
+checkpoint): its config.json names a `model_type`, and model/hf.py converts it (transformers is imported
+only then).
 
 Every file is written to a temporary name, fsynced and renamed, and checksums.json comes last, so a save
 cut short by a crash or a power cut leaves a directory that fails its check rather than one that loads
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+# a transformers directory may hold its weights in shards named by an index instead of model.safetensors
+HF_REQUIRED = ("config.json", ("model.safetensors", "model.safetensors.index.json"), "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
 
 
@@ -118,12 +123,24 @@ def verify_model_dir(path: str | Path) -> None:
             problem = check_file(path / name, record)
             if problem:
                 raise ModelDirError(f"model directory {path} is damaged: {name} {problem}")
-    for name in REQUIRED:
-        if not (path / name).is_file():
-            raise ModelDirError(f"{path} is not a sparkchat model directory: {name} is missing")
+    hf = is_hf_dir(path)
+    for names in HF_REQUIRED if hf else REQUIRED:
+        names = (names,) if isinstance(names, str) else names
+        if not any((path / name).is_file() for name in names):
+            kind = "Hugging Face model" if hf else "sparkchat model (nor a Hugging Face NanoChat)"
+            raise ModelDirError(f"{path} is not a {kind} directory: {' or '.join(names)} is missing")
     if not manifest.is_file():
         log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
                     "its files are loaded unverified", path, CHECKSUMS)
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A transformers directory: its config.json names a `model_type` (sparkchat's config.json does not)."""
+    config = Path(path) / "config.json"
+    try:
+        return config.is_file() and "model_type" in json.loads(config.read_text())
+    except ValueError:
+        return False
 
 
 def _json_writer(data) -> Callable[[Path], None]:
@@ -177,22 +194,29 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, gene
     write_atomic(path / CHECKSUMS, _json_writer({name: file_record(path / name) for name in writers}))
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Returns (model in eval mode, tokenizer, generation defaults). Raises ModelDirError naming the file
-    when the directory is damaged (see verify_model_dir) or a file cannot be parsed."""
-    path = Path(path)
-    verify_model_dir(path)
-    with _reading(path, "config.json"):
-        config = GPTConfig(**json.loads((path / "config.json").read_text()))
+def build_model(config: GPTConfig, state_dict: dict[str, torch.Tensor], device, dtype) -> GPT:
+    """A GPT in eval mode holding `state_dict` (sparkchat's names), built without a random init first."""
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
     cos, sin = model._rope_tables(model.rope_len)
     model.cos, model.sin = cos.to(device), sin.to(device)
+    model.load_state_dict(upgrade_state_dict(state_dict), strict=True)
+    return model.to(dtype).eval()
+
+
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Returns (model in eval mode, tokenizer, generation defaults). Raises ModelDirError naming the file
+    when the directory is damaged (see verify_model_dir) or a file cannot be parsed."""
+    path = Path(path)
+    verify_model_dir(path)
+    if is_hf_dir(path):
+        from .hf import load_hf_dir
+        return load_hf_dir(path, device, dtype)
+    with _reading(path, "config.json"):
+        config = GPTConfig(**json.loads((path / "config.json").read_text()))
     with _reading(path, "model.safetensors"):
-        model.load_state_dict(upgrade_state_dict(load_file(str(path / "model.safetensors"), device=str(device))),
-                              strict=True)
-    model.to(dtype).eval()
+        model = build_model(config, load_file(str(path / "model.safetensors"), device=str(device)), device, dtype)
     gen = dict(DEFAULT_GENERATION)
     if (path / "generation.json").is_file():
         with _reading(path, "generation.json"):

@@ -1,6 +1,6 @@
 """The `sparkchat` command: dispatches to a subcommand, each of which owns its parser.
 
-It sits above the wings, so it may start the server (serve/) and the probe (pipeline/) alike. Nothing
+It sits above the wings, so it may start the server (serve/) and the probe or the export (pipeline/) alike. Nothing
 heavy is imported until a subcommand runs, and each subcommand builds its parser before importing torch,
 so every `--help` answers at once.
 """
@@ -17,6 +17,7 @@ COMMANDS = {
     "chat": ("sparkchat.chat", "talk to a model directory in the terminal"),
     "serve": ("serve.__main__", "OpenAI-compatible API and a Gradio chat page over a model directory"),
     "probe": ("pipeline.probe", "which precision backends run on this machine, and what each one buys"),
+    "export": ("pipeline.export", "a model directory as a Hugging Face transformers directory, with a model card"),
 }
 
 
@@ -35,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     listing = "\n".join(f"  {name:<8}{line}" for name, (_, line) in COMMANDS.items())
     ap = argparse.ArgumentParser(prog="sparkchat", usage="%(prog)s [-h] [--version] COMMAND [FLAGS ...]",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="Chat with the model the pipeline trained, serve it, or probe "
-                                 "the precision backends.\n\ncommands:\n" + listing,
+                                 description="Chat with the model the pipeline trained, serve it, probe "
+                                 "the precision backends, or export the model to Hugging Face transformers.\n\ncommands:\n" + listing,
                                  epilog="`sparkchat COMMAND --help` lists a command's flags.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of: %(choices)s")

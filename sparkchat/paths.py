@@ -43,6 +43,9 @@ MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACT
               "sft": ARTIFACTS / "model"}
 CHAT_MODEL = MODEL_DIRS["sft"]
 
+# the chat model as a Hugging Face transformers NanoChat directory, with a model card (stage `export`)
+HF_EXPORT = ARTIFACTS / "hf"
+
 PROBE = ARTIFACTS / "probe"
 
 
