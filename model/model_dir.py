@@ -127,7 +127,7 @@ def verify_model_dir(path: str | Path) -> None:
     for names in HF_REQUIRED if hf else REQUIRED:
         names = (names,) if isinstance(names, str) else names
         if not any((path / name).is_file() for name in names):
-            kind = "Hugging Face model" if hf else "sparkchat model (nor a Hugging Face NanoChat)"
+            kind = "complete Hugging Face model" if hf else "sparkchat model"
             raise ModelDirError(f"{path} is not a {kind} directory: {' or '.join(names)} is missing")
     if not manifest.is_file():
         log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
