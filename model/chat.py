@@ -66,7 +66,8 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
     s = tok.special
     if messages[0]["role"] == "system" and "<|system_start|>" not in s:
         if len(messages) < 2 or messages[1]["role"] != "user":
-            raise ChatFormatError("this model has no system tokens: a system message must be followed by a user message")
+            raise ChatFormatError("this model has no system tokens: a system message must be followed by a user "
+                                  "message")
         first = {"role": "user", "content": content_text(messages[0]["content"]) + "\n\n"
                  + content_text(messages[1]["content"])}
         messages = [first] + messages[2:]

@@ -29,7 +29,11 @@ difference stays in the tokenizer: sparkchat encodes text as text (SparkTokenize
 encode_special_tokens), while a transformers tokenizer matches control-token text such as
 "<|assistant_end|>" inside a string as the control token, which apply_chat_template relies on. For
 untrusted text call the tokenizer with `split_special_tokens=True`; message content that contains
-control-token text renders differently through apply_chat_template than through sparkchat.
+control-token text renders differently through apply_chat_template than through sparkchat. And
+transformers' `generate` does not run the calculator tool that sparkchat's engine runs.
+
+nanochat's own tokenizer (in a published NanoChat checkpoint) has no system tokens: model/chat.py then
+puts a system prompt before the first user message, as nanochat does, and so does the template.
 
 transformers is imported inside the functions that need it, so loading a sparkchat directory never pays
 for it.
@@ -47,16 +51,14 @@ from safetensors.torch import load_file, save_file
 
 from .chat import STOP_TOKENS
 from .gpt import GPT, GPTConfig
-from .model_dir import (CHECKSUMS, DEFAULT_GENERATION, ModelDirError, build_model, file_record,
-                        portable_state_dict, write_atomic)
+from .model_dir import (CHECKSUMS, DEFAULT_GENERATION, WEIGHTS, WEIGHTS_INDEX, ModelDirError, build_model,
+                        file_record, portable_state_dict, write_atomic)
 from .tokenizer import SYSTEM_TOKENS, SparkTokenizer
 
 log = logging.getLogger(__name__)
 
 MODEL_TYPE = "nanochat"
 ARCHITECTURE = "NanoChatForCausalLM"
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint
 GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"
 # F.rms_norm without eps uses the input dtype's epsilon; the weights are float32
@@ -77,7 +79,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
         q, k, v = sd[src + "attn.c_qkv.weight"].split(config.qkv_rows)
         out |= {dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
                 dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": sd[src + "attn.c_proj.weight"],
-                dst + "mlp.fc1.weight": sd[src + "mlp.c_fc.weight"], dst + "mlp.fc2.weight": sd[src + "mlp.c_proj.weight"]}
+                dst + "mlp.fc1.weight": sd[src + "mlp.c_fc.weight"],
+                dst + "mlp.fc2.weight": sd[src + "mlp.c_proj.weight"]}
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -98,7 +101,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig, tied: boo
         out[dst + "mlp.c_fc.weight"] = take(src + "mlp.fc1.weight")
         out[dst + "mlp.c_proj.weight"] = take(src + "mlp.fc2.weight")
     if sd:
-        raise ModelDirError(f"the weights hold {len(sd)} tensors sparkchat's GPT has no place for, e.g. {next(iter(sd))}")
+        raise ModelDirError(f"the weights hold {len(sd)} tensors sparkchat's GPT has no place for, "
+                            f"e.g. {next(iter(sd))}")
     return out
 
 
@@ -261,7 +265,8 @@ def save_hf_dir(path: str | Path, model: GPT, tok: SparkTokenizer, gen: dict, ca
         # then moved into place one by one like the weights
         hf_config(config, tok).save_pretrained(tmp)
         generation_config(gen, tok).save_pretrained(tmp)
-        hf_tokenizer(tok, config.seq_len).save_pretrained(tmp, save_jinja_files=False)  # template in tokenizer_config.json
+        # save_jinja_files=False: the template goes in tokenizer_config.json, where every version reads it
+        hf_tokenizer(tok, config.seq_len).save_pretrained(tmp, save_jinja_files=False)
         writers = {p.name: (lambda dst, src=p: shutil.copyfile(src, dst)) for p in sorted(Path(tmp).iterdir())}
         sd = to_hf_state_dict(portable_state_dict(model), config)
         writers[WEIGHTS] = lambda dst: save_file(sd, str(dst), metadata={"format": "pt"})

@@ -37,9 +37,11 @@ from .tokenizer import SparkTokenizer
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
-REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+WEIGHTS = "model.safetensors"
+REQUIRED = ("config.json", WEIGHTS, "tokenizer.json")
 # a transformers directory may hold its weights in shards named by an index instead of model.safetensors
-HF_REQUIRED = ("config.json", ("model.safetensors", "model.safetensors.index.json"), "tokenizer.json")
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HF_REQUIRED = ("config.json", (WEIGHTS, WEIGHTS_INDEX), "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
 
 

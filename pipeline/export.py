@@ -23,7 +23,8 @@ PARAM_STAGES = ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparkchat export", description="Write a model directory as a Hugging Face "
-                                "transformers NanoChat directory (NanoChatForCausalLM) with a chat template and a model card.")
+                                "transformers NanoChat directory (NanoChatForCausalLM) with a chat template and "
+                                "a model card.")
     p.add_argument("--model", default=str(paths.CHAT_MODEL),
                    help="model directory to export, sparkchat's or a NanoChat one (default: %(default)s)")
     p.add_argument("--out", default=str(paths.HF_EXPORT), help="directory to write (default: %(default)s)")

@@ -1,8 +1,8 @@
 """The `sparkchat` command: dispatches to a subcommand, each of which owns its parser.
 
-It sits above the wings, so it may start the server (serve/) and the probe or the export (pipeline/) alike. Nothing
-heavy is imported until a subcommand runs, and each subcommand builds its parser before importing torch,
-so every `--help` answers at once.
+It sits above the wings, so it may start the server (serve/) and the probe or the export (pipeline/) alike.
+Nothing heavy is imported until a subcommand runs, and each subcommand builds its parser before importing
+torch, so every `--help` answers at once.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing = "\n".join(f"  {name:<8}{line}" for name, (_, line) in COMMANDS.items())
     ap = argparse.ArgumentParser(prog="sparkchat", usage="%(prog)s [-h] [--version] COMMAND [FLAGS ...]",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="Chat with the model the pipeline trained, serve it, probe "
-                                 "the precision backends, or export the model to Hugging Face transformers.\n\ncommands:\n" + listing,
+                                 description="Chat with the model the pipeline trained, serve it, probe the "
+                                 "precision backends, or export the model to Hugging Face transformers."
+                                 "\n\ncommands:\n" + listing,
                                  epilog="`sparkchat COMMAND --help` lists a command's flags.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of: %(choices)s")

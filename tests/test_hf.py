@@ -111,9 +111,9 @@ def test_greedy_generation_identical(hf_model, serve_model, serve_tokenizer):
             engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=32),
                           lambda ev: ours.append(ev.id) if isinstance(ev, Token) else done.set())
             assert done.wait(60)
+            ids = torch.tensor([prompt])
             with torch.no_grad():
-                out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  do_sample=False, max_new_tokens=32)
+                out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
             theirs = out[0, len(prompt):].tolist()
             assert len(ours) == 32 and ours == theirs, text
     finally:
