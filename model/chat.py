@@ -14,6 +14,9 @@ A generated reply has the same structure, and this file is also its one home (`R
 reply's ids become its parts, which re-render to the very same ids (history stays as trained), and its
 display, which every front end uses: the assistant's *words* (the text parts, the training data's final
 answer line `#### N` left out) and, apart from them, its *tool uses* (a calculator call and its result).
+
+A tokenizer without the system tokens (nanochat's, in a published NanoChat checkpoint) gets the system
+prompt in front of the first user message, separated by a blank line, as nanochat renders it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from .tokenizer import SparkTokenizer, StreamDecoder
 
 ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "python", "python_output")
+# a reply ends at either (model/chat_engine.py stops the engine there; the engine does not emit them)
+STOP_TOKENS = ("<|assistant_end|>", "<|bos|>")
 
 # The final-answer line of GSM8K-style training replies ("... = 84.\n#### 84"): a marker for graders,
 # not words for a reader, so the display leaves it out when it is the reply's last line.
@@ -68,6 +73,13 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
     the ids end with <|assistant_start|>, ready for generation."""
     validate(messages)
     s = tok.special
+    if messages[0]["role"] == "system" and "<|system_start|>" not in s:
+        if len(messages) < 2 or messages[1]["role"] != "user":
+            raise ChatFormatError("this model has no system tokens: a system message must be followed by a user "
+                                  "message")
+        first = {"role": "user", "content": content_text(messages[0]["content"]) + "\n\n"
+                 + content_text(messages[1]["content"])}
+        messages = [first] + messages[2:]
     ids, mask = [tok.bos_id], [0]
 
     def add(tokens, m):

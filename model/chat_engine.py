@@ -1,17 +1,17 @@
 """A chat engine wired from a loaded model directory (`model.model_dir.load_model_dir`).
 
-The engine itself works on ids only and knows nothing of chat; this is the one place that says which
-ids end a reply, which ids delimit a calculator call, whether the model may call the calculator at all
-(generation.json's `tool_use`) and how generation.json's defaults fill in the sampling values a caller
-leaves out. The terminal chat, the evaluate stage and the server all build their engine here.
+The engine itself works on ids only and knows nothing of chat; this is the one place that turns the chat
+format's stop tokens (model.chat.STOP_TOKENS) into the ids that end a reply, says which ids delimit a
+calculator call, whether the model may call the calculator at all (generation.json's `tool_use`) and how
+generation.json's defaults fill in the sampling values a caller leaves out. The terminal chat, the
+evaluate stage and the server all build their engine here.
 """
 from __future__ import annotations
 
 from .calculator import calculator_tool
+from .chat import STOP_TOKENS
 from .engine import Engine, EngineConfig, SamplingParams
 from .tokenizer import SparkTokenizer
-
-STOP_TOKENS = ("<|assistant_end|>", "<|bos|>")  # a reply ends at either (the engine does not emit them)
 
 
 def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engine:

@@ -7,7 +7,10 @@
     meta.json          (optional) the stage that trained it and its training metrics: steps, tokens, ...
     checksums.json     sha256 and size of each file above, written last: the directory's commit point
 
-No DVC, no Transformer Engine and no training params are needed to load it.
+No DVC, no Transformer Engine and no training params are needed to load it. `load_model_dir` also takes a
+Hugging Face transformers NanoChat directory (what `sparkchat export` writes, or a published NanoChat
+checkpoint): its config.json names a `model_type`, and model/hf.py converts it (transformers is imported
+only then).
 
 Every file is written to a temporary name, fsynced and renamed, and checksums.json comes last, so a save
 cut short by a crash or a power cut leaves a directory that fails its check rather than one that loads
@@ -23,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +39,11 @@ from .tokenizer import SparkTokenizer
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
-REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+WEIGHTS = "model.safetensors"
+REQUIRED = ("config.json", WEIGHTS, "tokenizer.json")
+# a transformers directory may hold its weights in shards named by an index instead of model.safetensors
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HF_REQUIRED = ("config.json", (WEIGHTS, WEIGHTS_INDEX), "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
 
 
@@ -119,12 +127,24 @@ def verify_model_dir(path: str | Path) -> None:
             problem = check_file(path / name, record)
             if problem:
                 raise ModelDirError(f"model directory {path} is damaged: {name} {problem}")
-    for name in REQUIRED:
-        if not (path / name).is_file():
-            raise ModelDirError(f"{path} is not a sparkchat model directory: {name} is missing")
+    hf = is_hf_dir(path)
+    for names in HF_REQUIRED if hf else REQUIRED:
+        names = (names,) if isinstance(names, str) else names
+        if not any((path / name).is_file() for name in names):
+            kind = "complete Hugging Face model" if hf else "sparkchat model"
+            raise ModelDirError(f"{path} is not a {kind} directory: {' or '.join(names)} is missing")
     if not manifest.is_file():
         log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
                     "its files are loaded unverified", path, CHECKSUMS)
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A transformers directory: its config.json names a `model_type` (sparkchat's config.json does not)."""
+    config = Path(path) / "config.json"
+    try:
+        return config.is_file() and "model_type" in json.loads(config.read_text())
+    except ValueError:
+        return False
 
 
 def _json_writer(data) -> Callable[[Path], None]:
@@ -191,8 +211,26 @@ def describe_model_dir(path: str | Path) -> dict:
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
-    return {"config": read("config.json"), "generation": {**DEFAULT_GENERATION, **read("generation.json")},
+    config = read("config.json")
+    if "model_type" in config:  # a transformers directory: its config in sparkchat's terms
+        from .hf import gpt_config, read_hf_config
+        try:
+            config = asdict(gpt_config(read_hf_config(Path(path))))
+        except (ModelDirError, OSError, ValueError):
+            config = {}
+    return {"config": config, "generation": {**DEFAULT_GENERATION, **read("generation.json")},
             "meta": read("meta.json")}
+
+
+def build_model(config: GPTConfig, state_dict: dict[str, torch.Tensor], device, dtype) -> GPT:
+    """A GPT in eval mode holding `state_dict` (sparkchat's names), built without a random init first."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    cos, sin = model._rope_tables(model.rope_len)
+    model.cos, model.sin = cos.to(device), sin.to(device)
+    model.load_state_dict(upgrade_state_dict(state_dict), strict=True)
+    return model.to(dtype).eval()
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -200,17 +238,13 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: 
     when the directory is damaged (see verify_model_dir) or a file cannot be parsed."""
     path = Path(path)
     verify_model_dir(path)
+    if is_hf_dir(path):
+        from .hf import load_hf_dir
+        return load_hf_dir(path, device, dtype)
     with _reading(path, "config.json"):
         config = GPTConfig(**json.loads((path / "config.json").read_text()))
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    cos, sin = model._rope_tables(model.rope_len)
-    model.cos, model.sin = cos.to(device), sin.to(device)
     with _reading(path, "model.safetensors"):
-        model.load_state_dict(upgrade_state_dict(load_file(str(path / "model.safetensors"), device=str(device))),
-                              strict=True)
-    model.to(dtype).eval()
+        model = build_model(config, load_file(str(path / "model.safetensors"), device=str(device)), device, dtype)
     gen = dict(DEFAULT_GENERATION)
     if (path / "generation.json").is_file():
         with _reading(path, "generation.json"):

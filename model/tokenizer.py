@@ -18,6 +18,9 @@ SPECIAL_TOKENS = [
     "<|python_start|>", "<|python_end|>",  # assistant calls the calculator tool
     "<|output_start|>", "<|output_end|>",  # tool result, fed back by the engine
 ]
+# nanochat's tokenizer, and so a published NanoChat checkpoint (model/hf.py), has every token above but
+# these two: model/chat.py then puts a system prompt before the first user message, as nanochat does
+SYSTEM_TOKENS = ("<|system_start|>", "<|system_end|>")
 
 def _byte_of_char() -> dict[str, int]:
     """The byte-level alphabet's inverse: the byte each vocabulary character stands for. (GPT-2's
@@ -40,9 +43,9 @@ class SparkTokenizer:
     def __init__(self, tok: Tokenizer):
         self._tok = tok
         missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
-        if missing:
+        if missing and missing != list(SYSTEM_TOKENS):
             raise ValueError(f"tokenizer lacks special tokens {missing}")
-        self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS if t not in missing}
         self.bos_id = self.special["<|bos|>"]
         self._special_ids = set(self.special.values())
         # text is text: "<|assistant_end|>" typed by a user (or found in a document) encodes as its
@@ -70,6 +73,10 @@ class SparkTokenizer:
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
+
+    def to_str(self) -> str:
+        """The tokenizer.json text (what `save` writes)."""
+        return self._tok.to_str()
 
     @property
     def vocab_size(self) -> int:

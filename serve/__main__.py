@@ -20,7 +20,9 @@ API_KEY_ENV = "SPARKCHAT_API_KEY"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparkchat serve", description="Serve a sparkchat model: OpenAI-compatible "
                                 "API under /v1 and a chat page at /.")
-    p.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory (default: %(default)s)")
+    p.add_argument("--model", default=str(paths.CHAT_MODEL),
+                   help="model directory: sparkchat's, or a Hugging Face NanoChat one such as `sparkchat export` "
+                        "writes (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),

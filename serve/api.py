@@ -39,7 +39,8 @@ log = logging.getLogger("sparkchat.serve")
 @dataclass
 class Settings:
     model_dir: Path = paths.CHAT_MODEL
-    """A directory written by model.model_dir.save_model_dir (the pipeline's final stage)."""
+    """A directory written by model.model_dir.save_model_dir (the pipeline's final stage), or a Hugging Face
+    NanoChat directory (model/hf.py: what `sparkchat export` writes, or a published NanoChat checkpoint)."""
     device: str | None = None
     """torch device; default cuda when available, else cpu."""
     api_key: str | None = None

@@ -21,7 +21,8 @@ DIM, PLAIN = "\033[2m", "\033[0m"
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sparkchat chat", description="Chat with a sparkchat model in the terminal. "
                                  "Type /clear to start over, Ctrl-D to quit.")
-    ap.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory (default: %(default)s)")
+    ap.add_argument("--model", default=str(paths.CHAT_MODEL),
+                    help="model directory, sparkchat's or a Hugging Face NanoChat one (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature, 0 for greedy (default: the model's generation.json)")

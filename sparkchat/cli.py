@@ -1,8 +1,8 @@
 """The `sparkchat` command: dispatches to a subcommand, each of which owns its parser.
 
-It sits above the wings, so it may start the server (serve/) and the probe (pipeline/) alike. Nothing
-heavy is imported until a subcommand runs, and each subcommand builds its parser before importing torch,
-so every `--help` answers at once.
+It sits above the wings, so it may start the server (serve/) and the probe or the export (pipeline/) alike.
+Nothing heavy is imported until a subcommand runs, and each subcommand builds its parser before importing
+torch, so every `--help` answers at once.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ COMMANDS = {
     "probe": ("pipeline.probe", "which precision backends run on this machine, and what each one buys"),
     "join": ("pipeline.join", "on machine N of a multi-machine job: run its part of every training stage"),
     "link-check": ("pipeline.linkcheck", "check and time the link between the ranks of a multi-machine job"),
+    "export": ("pipeline.export", "a model directory as a Hugging Face transformers directory, with a model card"),
 }
 
 
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sparkchat", usage="%(prog)s [-h] [--version] COMMAND [FLAGS ...]",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Chat with the model the pipeline trained, serve it, probe "
-                                 "the precision backends, or train across machines.\n\ncommands:\n" + listing,
+                                 "the precision backends, export it to Hugging Face transformers, or train "
+                                 "across machines.\n\ncommands:\n" + listing,
                                  epilog="`sparkchat COMMAND --help` lists a command's flags.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     ap.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of: %(choices)s")

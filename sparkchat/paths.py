@@ -45,6 +45,9 @@ CHAT_MODEL = MODEL_DIRS["sft"]
 # the models the evaluate stage scores, by their name in its metrics file (metrics_file("evaluate"))
 EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": CHAT_MODEL}
 
+# the chat model as a Hugging Face transformers NanoChat directory, with a model card (stage `export`)
+HF_EXPORT = ARTIFACTS / "hf"
+
 PROBE = ARTIFACTS / "probe"
 
 

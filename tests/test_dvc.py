@@ -175,6 +175,15 @@ def test_outputs_are_where_paths_says():
     assert str(paths.TOKENIZER) in _declared(st["tokenizer"], "outs")
     assert {str(paths.PRETRAIN_TOKENS), str(paths.CHAT_TOKENS)} == _declared(st["tokenize"], "outs")
     assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
+    assert _declared(st["export"], "outs") == {str(paths.HF_EXPORT)}
+
+
+def test_export_depends_on_what_its_card_quotes():
+    from pipeline.export import PARAM_STAGES
+    deps = set(stages()["export"]["deps"])
+    quoted = {paths.CHAT_MODEL, *(paths.metrics_file(s) for s in (*paths.TRAIN_STAGES, "evaluate")),
+              *(paths.stage_params(s) for s in PARAM_STAGES)}
+    assert {str(p) for p in quoted} <= deps
 
 
 def compact(files: set[Path]) -> list[str]:

@@ -2,7 +2,7 @@
 
 - `dvc repro` runs every stage and writes the final model directory, metrics and plots;
 - a second `dvc repro` does nothing;
-- changing an SFT parameter re-runs exactly sft and evaluate (after `params`, which resolves them);
+- changing an SFT parameter re-runs exactly sft, evaluate and export (after `params`, which resolves them);
 - editing the selected profile's sft block does the same; editing a profile not in use re-runs nothing;
 - sft runs as two data-parallel CPU ranks under fp8 with delayed scaling;
 - pretrain killed with SIGKILL mid-run resumes from its checkpoint on the next `dvc repro` and ends
@@ -81,10 +81,12 @@ def test_repro_noop_and_param_change(tmp_path):
     proj = make_project(tmp_path, TINY)
     r = dvc(proj, "repro")
     assert ran_stages(r.stdout) == ["params", "prepare", "tokenizer", "tokenize", "pretrain", "midtrain", "sft",
-                                    "evaluate"]
+                                    "evaluate", "export"]
     model = proj / paths.CHAT_MODEL
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation.json"):
         assert (model / name).is_file()
+    card = (proj / paths.HF_EXPORT / "README.md").read_text()  # the export quotes the eval it came after
+    assert "## Evaluation" in card and "| arithmetic |" in card
     scores = json.loads((proj / paths.metrics_file("evaluate")).read_text())
     assert {"base", "midtrain", "sft", "chance"} <= set(scores)
     assert 0.0 <= scores["sft"]["arithmetic"] <= 1.0
@@ -96,16 +98,16 @@ def test_repro_noop_and_param_change(tmp_path):
     params = yaml.safe_load((proj / "params.yaml").read_text())
     params["sft"]["matrix_lr"] = 0.003
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate"]
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate", "export"]
 
     # a profile: selecting one whose values equal the current ones re-runs nothing past `params`;
-    # editing its sft block re-runs sft and evaluate; editing a profile not in use re-runs nothing
+    # editing its sft block re-runs sft, evaluate and export; editing a profile not in use re-runs nothing
     (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.003}}))
     params["profile"] = "mine"
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
     (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.004}}))
-    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate"]
+    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate", "export"]
     (proj / "profiles" / "h200.yaml").write_text((proj / "profiles" / "h200.yaml").read_text() + "\n# edited\n")
     assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
 

@@ -1,0 +1,202 @@
+"""Stage `export` and `sparkchat export`: the chat model as a Hugging Face transformers directory.
+
+Writes a NanoChat directory (model/hf.py: config.json, model.safetensors, tokenizer files with the chat
+template, generation_config.json) and a README.md model card. The card's facts come from their homes: the
+architecture from the model, the data sources and settings from the stage params
+(`sparkchat.paths.stage_params`), the precision backend and training figures per stage and the eval table
+from the DVC metrics (`sparkchat.paths.metrics_file`). Those describe the pipeline's chat model, so the
+card carries them only when the exported model is that one (the DVC stage; `--model` left at its default).
+
+torch and transformers load after the flags are read, so `--help` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sparkchat import paths
+
+PARAM_STAGES = ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparkchat export", description="Write a model directory as a Hugging Face "
+                                "transformers NanoChat directory (NanoChatForCausalLM) with a chat template and "
+                                "a model card.")
+    p.add_argument("--model", default=str(paths.CHAT_MODEL),
+                   help="model directory to export, sparkchat's or a NanoChat one (default: %(default)s)")
+    p.add_argument("--out", default=str(paths.HF_EXPORT), help="directory to write (default: %(default)s)")
+    return p
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows])
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested metrics become one row each."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def eval_table(metrics: dict) -> str:
+    """reports/evaluate/metrics.json ({model: {task: score}}) as a table: one row per task, a column per model."""
+    models = {m: flatten(s) for m, s in sorted(metrics.items(), key=lambda kv: kv[0] == "chance")
+              if isinstance(s, dict)}
+    tasks = list(dict.fromkeys(t for s in models.values() for t in s))
+    return table(["task", *models], [[t, *(s.get(t) for s in models.values())] for t in tasks])
+
+
+def training_section() -> str:
+    """Data sources, the precision backend and figures of each training stage, and every stage's params."""
+    params = {s: read_json(paths.stage_params(s)) for s in PARAM_STAGES}
+    out = []
+    data = (params["prepare"] or {}).get("data")
+    if data:
+        out.append(f"Pretraining text: {', '.join(map(str, data['pretrain_sources']))}. Conversations (midtraining "
+                   f"and SFT): {', '.join(map(str, data['chat_sources']))} (`builtin:` sources ship with sparkchat, "
+                   "`hub:` ones are Hugging Face datasets).")
+    rows = []
+    for stage in paths.TRAIN_STAGES:
+        m = read_json(paths.metrics_file(stage))
+        if m:
+            rows.append([stage, m.get("backend_label", m.get("backend")), m.get("device"), m.get("steps"),
+                         m.get("tokens"), m.get("final_loss"), m.get("val_bpb")])
+    if rows:
+        out.append("Precision backend and figures per stage (DVC metrics, `reports/<stage>/metrics.json`):\n\n"
+                   + table(["stage", "precision backend", "device", "steps", "tokens", "final loss", "val bpb"], rows))
+    sections = {}  # each stage's file holds the sections it reads; a section is the same in every file
+    for p in params.values():
+        sections |= p or {}
+    if sections:
+        out.append("<details><summary>Parameters (params.yaml with the profile applied, as the stages read them: "
+                   "<code>artifacts/params/&lt;stage&gt;.json</code>)</summary>\n\n```json\n"
+                   + json.dumps(sections, indent=2) + "\n```\n\n</details>")
+    return "\n\n".join(out)
+
+
+def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline: bool) -> str:
+    from model.tokenizer import SYSTEM_TOKENS
+    c = model.config
+    meta = read_json(model_dir / "meta.json") or {}
+    arch = table(["", ""], [
+        ["layers", c.n_layer], ["width", c.n_embd],
+        ["attention heads (query / key-value)", f"{c.n_head} / {c.n_kv_head}, head dim {c.head_dim}"],
+        ["MLP", f"relu², {4 * c.n_embd:,} wide"], ["context (trained)", f"{c.seq_len} tokens"],
+        ["vocabulary", f"{c.vocab_size:,} (byte-level BPE)"], ["parameters", model.num_params()],
+        ["RoPE base", c.rope_base], ["logit softcap", c.logit_softcap]])
+    sections = [
+        "---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [nanochat, sparkchat]\n---",
+        f"# sparkchat-d{c.n_layer}",
+        ("A chat model trained from scratch by sparkchat's DVC pipeline (tokenizer, pretraining, midtraining, SFT), "
+         if from_pipeline else f"The model directory `{model_dir}`, ")
+        + "exported to transformers' NanoChat architecture (`NanoChatForCausalLM`) by `sparkchat export`.",
+        "## Architecture\n\n" + arch + "\n\nParameter-free RMSNorm on the embeddings, before attention and MLP, on "
+        "queries and keys after RoPE (QK-norm) and before the head; "
+        + ("grouped-query attention; " if c.n_kv_head != c.n_head else "")
+        + "untied embedding and head; no biases. Weights are float32."
+        + (f" Last trained by the `{meta['stage']}` stage ({meta.get('backend_label', meta.get('backend'))} "
+           f"on {meta.get('device')}, {fmt(meta.get('steps'))} steps)." if meta.get("stage") else ""),
+    ]
+    if from_pipeline:
+        training = training_section()
+        if training:
+            sections.append("## Training\n\n" + training)
+        ev = read_json(paths.metrics_file("evaluate"))
+        if ev:
+            sections.append("## Evaluation\n\nScores on held-out items no model trained on (DVC metrics, "
+                            "`reports/evaluate/metrics.json`): accuracy per task, validation bits per byte "
+                            "(`val_bpb`, lower is better); `chance` is what guessing scores.\n\n" + eval_table(ev))
+    else:
+        sections.append(f"## Training and evaluation\n\nNot recorded here: exported from `{model_dir}`, not from the "
+                        f"pipeline's chat model (`{paths.CHAT_MODEL}`), whose DVC metrics this card would quote.")
+    tool_tokens = "`<|python_start|>` expression `<|python_end|>`"
+    system = ("`<|system_start|>`/`<|system_end|>`," if all(t in tok.special for t in SYSTEM_TOKENS) else
+              "(no system tokens: a system prompt goes before the first user message, then a blank line)")
+    sections.append(f"""## Use with transformers
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+path = "{out}"  # or the hub id this directory was uploaded to
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path)
+messages = [{{"role": "system", "content": "Answer briefly."}}, {{"role": "user", "content": "What is 37 + 58?"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=64)
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+`generation_config.json` holds sparkchat's sampling defaults (temperature {gen['temperature']}, top-k {gen['top_k']}, \
+top-p {gen['top_p']}) and stops at `<|assistant_end|>` or `<|bos|>`.
+
+## Chat format
+
+`apply_chat_template` gives the ids sparkchat's renderer gives: `<|bos|>`, then each turn between {system} \
+`<|user_start|>`/`<|user_end|>`, `<|assistant_start|>`/`<|assistant_end|>`. \
+An assistant message's content may be a list of parts: `text`, `python` (a calculator call, {tool_tokens}) and \
+`python_output` (its result, `<|output_start|>` ... `<|output_end|>`).
+
+- Calculator: {"the model was trained to call it" if gen.get("tool_use") else "this model is not set to call it"}. \
+sparkchat's server runs the call and feeds the result back; transformers' `generate` does not run tools, so a \
+reply that calls the calculator goes on to guess the output itself.
+- Text that looks like a control token: sparkchat encodes message text as plain text, so a user typing \
+`<|assistant_end|>` cannot end a turn. A transformers tokenizer matches such text as the control token (the chat \
+template relies on that): for untrusted text call the tokenizer with `split_special_tokens=True`, and know that \
+`apply_chat_template` renders content containing control-token text differently from sparkchat.
+- `tokenizer(text)` adds no `<|bos|>` (the chat template does); prepend it when scoring raw text, as pretraining did.
+
+## Serve with sparkchat
+
+```bash
+sparkchat serve --model {out}     # OpenAI-compatible API + chat page; also takes other NanoChat directories
+```
+""")
+    return "\n\n".join(sections)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    model_dir, out = Path(args.model), Path(args.out)
+    if out.resolve() == model_dir.resolve():
+        raise SystemExit(f"export: --out {out} is the model directory itself; choose another")
+
+    from model.hf import save_hf_dir
+    from model.model_dir import ModelDirError, load_model_dir
+    try:
+        model, tok, gen = load_model_dir(model_dir)
+    except ModelDirError as e:
+        raise SystemExit(f"export: {e}") from None
+    from_pipeline = model_dir.resolve() == paths.CHAT_MODEL.resolve()
+    save_hf_dir(out, model, tok, gen, card=model_card(model, tok, gen, model_dir, out, from_pipeline))
+    print(f"export: {model_dir} -> {out} (transformers NanoChatForCausalLM, {model.num_params():,} parameters)",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
