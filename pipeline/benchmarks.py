@@ -58,6 +58,14 @@ def final_answer(text: str) -> str:
     return nums[-1] if nums else text.strip()
 
 
+def same_number(got: str, want: str) -> bool:
+    """GSM8K's comparison: as numbers when both are ("7.50" is "7.5"), else as text."""
+    try:
+        return float(got) == float(want)
+    except ValueError:
+        return got == want
+
+
 def chosen_letter(reply: str, n_choices: int) -> str:
     """The first of the choices' letters standing alone in a reply ('' if none): "B", "B) the Sun", "(B)",
     "The answer is B." all give B; a capital that starts a word or a sentence ("A chat...") gives nothing."""
@@ -159,33 +167,34 @@ class Benchmark:
 
 
 def _rows(source: str, split: str):
+    """The rows of a source, streamed: only the split's own files are read (MMLU's hub repository also
+    holds a 100k-row auxiliary train split), and nothing is written to the `datasets` cache."""
     import datasets
     datasets.disable_progress_bars()
     if source.startswith("hub:"):
         ident, _, config = source.removeprefix("hub:").partition(":")
-        return datasets.load_dataset(ident, config or None, split=split)
+        return datasets.load_dataset(ident, config or None, split=split, streaming=True)
     kind = "parquet" if Path(source).suffix.lower() == ".parquet" else "json"
-    return datasets.load_dataset(kind, data_files=source, split="train")
+    return datasets.load_dataset(kind, data_files=source, split="train", streaming=True)
 
 
 def load_benchmark(name: str, source: str, max_items: int, shots: int = 0, seed: int = 0) -> Benchmark:
     """A task's items from `source` (hub:<id>[:<config>] or a local file): all of them scored when there
     are at most `max_items`, else a sample of `max_items` drawn with `seed`."""
     task = TASKS[name]
-    try:
-        ds = _rows(source, task.split)
-    except Exception as e:  # network, unknown id, unreadable file: say which task and source
-        raise BenchmarkError(f"{name}: could not read '{source}': {e}") from None
-    missing = [f for f in task.fields if f not in ds.column_names]
-    if missing:
-        raise BenchmarkError(f"{name}: '{source}' has no field '{missing[0]}' (the task reads {', '.join(task.fields)}"
-                             f"; it has {', '.join(ds.column_names)})")
     pool = []
-    for n, row in enumerate(ds):
-        try:
-            pool.append(task.item(row))
-        except (BenchmarkError, ValueError, TypeError, KeyError) as e:
-            raise BenchmarkError(f"{name}: '{source}' row {n}: {e}") from None
+    try:
+        for n, row in enumerate(_rows(source, task.split)):
+            missing = [f for f in task.fields if f not in row]
+            if missing:
+                raise BenchmarkError(f"row {n} has no field '{missing[0]}' (the task reads {', '.join(task.fields)}; "
+                                     f"the row has {', '.join(row)})")
+            try:
+                pool.append(task.item(row))
+            except (ValueError, TypeError, KeyError) as e:
+                raise BenchmarkError(f"row {n}: {e}") from None
+    except Exception as e:  # a bad row, or network, an unknown id, an unreadable file: name the task and source
+        raise BenchmarkError(f"{name}: '{source}': {e}") from None
     if not pool:
         raise BenchmarkError(f"{name}: '{source}' has no rows")
     scored = sorted(random.Random(seed).sample(range(len(pool)), max_items)) if len(pool) > max_items \

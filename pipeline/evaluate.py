@@ -37,7 +37,7 @@ from model.scoring import score_continuations
 from sparkchat import paths
 
 from .benchmarks import (CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, final_answer,
-                         load_benchmark)
+                         load_benchmark, same_number)
 from .config import Params, load_params
 from .data import TokenStream, open_tokens
 from .metrics import atomic_write_text, write_json
@@ -152,8 +152,10 @@ def chat_accuracy(engine: Engine, tok, bench: Benchmark, max_new: int, desc: str
     correct = 0
     for i, reply in zip(bench.scored, replies):
         item = bench.pool[i]
-        got = chosen_letter(reply, len(item.choices)) if bench.task.kind == "choice" else final_answer(reply)
-        correct += got == item.answer
+        if bench.task.kind == "choice":
+            correct += chosen_letter(reply, len(item.choices)) == item.answer
+        else:
+            correct += same_number(final_answer(reply), item.answer)
     return correct / len(bench.scored)
 
 

@@ -84,6 +84,7 @@ def test_letter_extraction():
                         ("A chat, but", ""), ("E", ""), ("no idea", "")]:
         assert bm.chosen_letter(reply, 4) == want, reply
     assert bm.final_answer("so 12 + 3 = 15.\n#### 1,200") == "1200"
+    assert bm.same_number(bm.final_answer("She spends 7.50 dollars."), "7.5") and not bm.same_number("7", "7.5")
 
 
 def test_parquet_source_and_sampling(tmp_path):
@@ -103,7 +104,7 @@ def test_parquet_source_and_sampling(tmp_path):
 def test_a_source_without_the_schema_names_the_field(tmp_path):
     bad = tmp_path / "mmlu.jsonl"
     bad.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "label": 0}) + "\n")
-    with pytest.raises(bm.BenchmarkError, match=r"mmlu: '.*mmlu.jsonl' has no field 'answer'"):
+    with pytest.raises(bm.BenchmarkError, match=r"mmlu: .*mmlu.jsonl.: row 0 has no field .answer."):
         bm.load_benchmark("mmlu", str(bad), 10)
 
 
