@@ -250,12 +250,19 @@ def check_benchmark_source(source: str, key: str) -> None:
         if not ident or ":" in config:
             raise ConfigError(f"{key}='{source}' must look like hub:<id>[:<config>], e.g. hub:allenai/ai2_arc:ARC-Easy")
         return
-    path = Path(source)
-    if path.suffix.lower() not in BENCHMARK_FILE_TYPES:
+    if Path(source).suffix.lower() not in BENCHMARK_FILE_TYPES:
         raise ConfigError(f"{key}='{source}': a local source must be a {', '.join(BENCHMARK_FILE_TYPES)} file "
                           f"(or hub:<id>[:<config>])")
-    if not path.is_file():
-        raise ConfigError(f"{key}='{source}': no such file (relative paths start at the project root)")
+    if not Path(resolve_source(source)).is_file():
+        raise ConfigError(f"{key}='{source}': no such file (a relative path starts at the project root, {ROOT})")
+
+
+def resolve_source(source: str) -> str:
+    """A benchmark source as the loader takes it: a relative path joined to the project root (where
+    profiles/ is), so params.yaml means the same files from any working directory."""
+    if source.startswith("hub:") or Path(source).is_absolute():
+        return source
+    return str(ROOT / source)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from sparkchat import paths
 
 from .benchmarks import (CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, final_answer,
                          load_benchmark, same_number)
-from .config import Params, load_params
+from .config import Params, load_params, resolve_source
 from .data import TokenStream, open_tokens
 from .metrics import atomic_write_text, write_json
 from .runtime import resolve_device
@@ -205,7 +205,7 @@ def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Bench
 
 def load_benchmarks(p: Params) -> list[Benchmark]:
     """Every benchmark with a source, read before any model is: a bad source stops the stage at once."""
-    return [load_benchmark(name, b.source, p.evaluate.max_items, b.shots)
+    return [load_benchmark(name, resolve_source(b.source), p.evaluate.max_items, b.shots)
             for name, b in vars(p.evaluate.benchmarks).items() if b.source]
 
 
