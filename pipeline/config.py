@@ -198,21 +198,78 @@ def _default_sft() -> TrainParams:
 
 
 @dataclass
+class BenchmarkParams:
+    """One standard benchmark of the evaluate stage (pipeline/benchmarks.py reads and scores it)."""
+    source: str = ""
+    """'' skips the task; a local .jsonl/.json/.parquet file in the dataset's own schema (read with
+    `datasets`); or 'hub:<id>[:<config>]' (downloaded by `datasets`, needs internet)."""
+    shots: int = 0
+    """Solved examples of the same task before each item: as text for base models (CORE-style), as
+    earlier turns of the conversation for chat models."""
+
+
+@dataclass
+class BenchmarksParams:
+    """The field's benchmarks, in their own schemas. Base models are scored by log-likelihood,
+    chat models by generation (pipeline/evaluate.py says which is which)."""
+    arc_easy: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """ARC-Easy (hub:allenai/ai2_arc:ARC-Easy): grade-school science, 3-5 choices."""
+    arc_challenge: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """ARC-Challenge (hub:allenai/ai2_arc:ARC-Challenge): the questions simple methods got wrong."""
+    mmlu: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """MMLU (hub:cais/mmlu:all): 57 subjects, 4 choices, answered with a letter."""
+    hellaswag: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """HellaSwag (hub:Rowan/hellaswag): the most plausible of 4 endings of an everyday scene."""
+    lambada: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """LAMBADA (hub:EleutherAI/lambada_openai:default): the last word of a passage (language modelling;
+    base models only)."""
+    gsm8k: BenchmarkParams = field(default_factory=BenchmarkParams)
+    """GSM8K (hub:openai/gsm8k:main): grade-school word problems, the number after '####' (chat models
+    only)."""
+
+
+BENCHMARK_FILE_TYPES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
 class EvaluateParams:
     max_items: int = 200
-    """Items per eval task (held-out)."""
+    """Items per eval task: the held-out synthetic items, and of each benchmark a seeded sample."""
     max_new_tokens: int = 48
-    extra: list[str] = field(default_factory=list)
-    """Extra evals through `datasets`: 'mmlu:<source>', 'arc:<source>', 'gsm8k:<source>' where the
-    source is a local .jsonl/.parquet file or 'hub:<id>[:<config>]'."""
+    """Tokens a chat model may generate per answer."""
+    benchmarks: BenchmarksParams = field(default_factory=BenchmarksParams)
 
     def check(self, key: str) -> None:
         _positive(self, key, "max_items", "max_new_tokens")
-        for e in self.extra:
-            kind = e.split(":", 1)[0]
-            if kind not in ("mmlu", "arc", "gsm8k") or ":" not in e:
-                raise ConfigError(f"{key}.extra entry '{e}' must look like mmlu:<source>, arc:<source> "
-                                  f"or gsm8k:<source>")
+        for f in dataclasses.fields(self.benchmarks):
+            b, where = getattr(self.benchmarks, f.name), f"{key}.benchmarks.{f.name}"
+            if b.shots < 0:
+                raise ConfigError(f"{where}.shots must be >= 0, got {b.shots}")
+            check_benchmark_source(b.source, f"{where}.source")
+
+
+def check_benchmark_source(source: str, key: str) -> None:
+    """'' | hub:<id>[:<config>] | an existing local file of a type `datasets` reads here."""
+    if not source:
+        return
+    if source.startswith("hub:"):
+        ident, _, config = source.removeprefix("hub:").partition(":")
+        if not ident or ":" in config:
+            raise ConfigError(f"{key}='{source}' must look like hub:<id>[:<config>], e.g. hub:allenai/ai2_arc:ARC-Easy")
+        return
+    if Path(source).suffix.lower() not in BENCHMARK_FILE_TYPES:
+        raise ConfigError(f"{key}='{source}': a local source must be a {', '.join(BENCHMARK_FILE_TYPES)} file "
+                          f"(or hub:<id>[:<config>])")
+    if not Path(resolve_source(source)).is_file():
+        raise ConfigError(f"{key}='{source}': no such file (a relative path starts at the project root, {ROOT})")
+
+
+def resolve_source(source: str) -> str:
+    """A benchmark source as the loader takes it: a relative path joined to the project root (where
+    profiles/ is), so params.yaml means the same files from any working directory."""
+    if source.startswith("hub:") or Path(source).is_absolute():
+        return source
+    return str(ROOT / source)
 
 
 @dataclass

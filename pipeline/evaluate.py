@@ -1,23 +1,28 @@
 """Stage `evaluate`: how good are the base, midtrained and SFT models, on items none of them trained on.
 
 - base val bits per byte (pretraining text), for every model;
-- generative tasks, greedy, with the calculator tool if the model's generation.json allows it:
-  arithmetic, word problems (GSM8K-style, the number after '####' or the last number), letter
-  counting, spelling (exact answer); chance ~0;
-- multiple choice (largest of four numbers): the letter with the highest logit after the prompt;
-  chance 25%;
-- optional real benchmarks through `datasets` (evaluate.extra): MMLU and ARC as multiple choice,
-  GSM8K as exact-answer math.
+- the synthetic tasks the default data teaches, for every model through the chat template: generative,
+  greedy, with the calculator tool if the model's generation.json allows it: arithmetic, word problems
+  (the number after '####' or the last number), letter counting, spelling (exact answer), chance ~0;
+  multiple choice (largest of four numbers): the letter with the highest logit, chance 25%;
+- the field's benchmarks (`evaluate.benchmarks`, pipeline/benchmarks.py: ARC-Easy/Challenge, MMLU,
+  HellaSwag, LAMBADA, GSM8K) read through `datasets`. The base and midtrained models are scored by
+  log-likelihood as nanochat's CORE scores a base model (the choice with the highest log-likelihood per
+  token; LAMBADA's last word must be the greedy continuation); the SFT model, a chat model, by
+  generation: its reply's letter, or GSM8K's number. Beside each accuracy: chance, and the centred
+  accuracy (accuracy - chance) / (1 - chance), whose mean over the benchmarks is reported as `core`
+  (log-likelihood) or `chatcore` (generation), as nanochat names them. nanochat's CORE averages 22
+  tasks, so these means compare only with each other.
 
 Writes its metrics and a scores plot where `sparkchat.paths` says (DVC metrics and plots).
 """
 from __future__ import annotations
 
 import json
-import re
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -27,26 +32,20 @@ from model.chat_engine import chat_engine
 from model.engine import Engine, SamplingParams, Token
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import ModelDirError, load_model_dir
+from model.scoring import score_continuations
 
 from sparkchat import paths
 
-from .config import Params, load_params
+from .benchmarks import (CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, final_answer,
+                         load_benchmark, same_number)
+from .config import Params, load_params, resolve_source
 from .data import TokenStream, open_tokens
 from .metrics import atomic_write_text, write_json
-from .sources import open_dataset
 from .runtime import resolve_device
 
+CHAT_MODELS = ("sft",)  # scored on the benchmarks by generation; the others by log-likelihood
 GENERATIVE = ("arithmetic", "word_problem", "letter_count", "spelling")
 MULTIPLE_CHOICE = ("largest",)
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def final_answer(text: str) -> str:
-    """The model's answer: after '####' if present, else the last number, else the stripped text."""
-    if "####" in text:
-        text = text.rsplit("####", 1)[1]
-    nums = NUMBER.findall(text.replace(",", ""))
-    return nums[-1] if nums else text.strip()
 
 
 def is_correct(task: str, reply: str, gold: str) -> bool:
@@ -95,30 +94,92 @@ def load_eval_items(task: str, n: int) -> list[dict]:
         return [json.loads(line) for line in f][:n]
 
 
-def extra_items(spec: str, n: int) -> tuple[str, list[dict]]:
-    """evaluate.extra entry -> (kind, items). mmlu/arc rows become letter multiple choice; gsm8k rows
-    exact-answer math."""
-    kind, source = spec.split(":", 1)
-    ds = open_dataset(source, "test")
-    items = []
-    for i, row in enumerate(ds):
-        if i >= n:
-            break
-        if kind == "gsm8k":
-            items.append({"prompt": row["question"], "answer": final_answer(str(row["answer"]))})
+def _fitted(build: Callable[[int], list[int]], shots: int, limit: int) -> list[int]:
+    """build(k) for the most few-shot examples k <= shots whose ids fit in `limit` tokens (build(0) if
+    none do: the caller cuts it)."""
+    for k in range(shots, 0, -1):
+        ids = build(k)
+        if len(ids) <= limit:
+            return ids
+    return build(0)
+
+
+def loglikelihood_accuracy(model, tok, bench: Benchmark) -> float:
+    """Multiple choice: right when the gold choice has the highest log-likelihood per token (CORE). Language
+    modelling: right when every token of the continuation is the model's greedy choice."""
+    limit = model.config.seq_len
+    requests, spans = [], []
+    for i in bench.scored:
+        item, examples = bench.pool[i], bench.examples(i)
+        continuations = [tok.encode(" " + c) for c in item.choices]
+        longest = max(map(len, continuations))
+
+        def context(k: int, item=item, examples=examples) -> list[int]:
+            shown = "".join(f"{ex.context} {ex.choices[ex.gold]}\n\n" for ex in examples[:k])
+            return [tok.bos_id] + tok.encode(shown + item.context)
+
+        ids = _fitted(context, len(examples), limit - longest)
+        spans.append((len(requests), len(continuations)))
+        requests.extend((ids, c) for c in continuations)
+    results = score_continuations(model, requests, max_len=limit)  # cuts what still does not fit from the left
+    correct = 0
+    for i, (start, n) in zip(bench.scored, spans):
+        options = results[start:start + n]
+        if bench.task.kind == "lm":
+            correct += options[0].greedy
+        else:
+            best = max(range(n), key=lambda j: options[j].mean_logprob)
+            correct += best == bench.pool[i].gold
+    return correct / len(bench.scored)
+
+
+def chat_accuracy(engine: Engine, tok, bench: Benchmark, max_new: int, desc: str) -> float:
+    """The reply's letter (multiple choice) or final number (GSM8K) against the answer. Few-shot examples
+    are earlier turns of the conversation."""
+    limit = engine.max_len - min(max_new, engine.max_len // 4)  # room for the answer
+    prompts = []
+    for i in bench.scored:
+        item, examples = bench.pool[i], bench.examples(i)
+
+        def conversation(k: int, item=item, examples=examples) -> list[int]:
+            turns = [m for ex in examples[:k] for m in ({"role": "user", "content": ex.prompt},
+                                                         {"role": "assistant", "content": ex.reply})]
+            return render(tok, turns + [{"role": "user", "content": item.prompt}], for_completion=True)[0]
+
+        prompts.append(_fitted(conversation, len(examples), limit)[-limit:])
+    replies = generate_all(engine, tok, prompts, max_new, desc)
+    correct = 0
+    for i, reply in zip(bench.scored, replies):
+        item = bench.pool[i]
+        if bench.task.kind == "choice":
+            correct += chosen_letter(reply, len(item.choices)) == item.answer
+        else:
+            correct += same_number(final_answer(reply), item.answer)
+    return correct / len(bench.scored)
+
+
+def benchmark_scores(name: str, model, tok, engine: Engine, benches: list[Benchmark], max_new: int) -> dict:
+    """Accuracy of one model on each benchmark it is scored on (by generation if it is a chat model)."""
+    chat = name in CHAT_MODELS
+    scores = {}
+    for b in benches:
+        if b.task.kind not in (CHAT_KINDS if chat else LOGLIKELIHOOD_KINDS):
             continue
-        if kind == "mmlu":
-            texts, gold = list(row["choices"]), "ABCDEFGH"[int(row["answer"])]
-            labels = list("ABCDEFGH"[:len(texts)])
-        else:  # arc
-            texts, labels, gold = list(row["choices"]["text"]), list(row["choices"]["label"]), str(row["answerKey"])
-        options = " ".join(f"{l}) {t}" for l, t in zip(labels, texts))
-        items.append({"prompt": f"{row['question']} {options}\nAnswer with the letter.", "answer": gold,
-                      "choices": labels})
-    return kind, items
+        acc = chat_accuracy(engine, tok, b, max_new, f"{name}/{b.name}") if chat else loglikelihood_accuracy(model, tok, b)
+        scores[b.name] = round(acc, 4)
+    return scores
 
 
-def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
+def centered(scores: dict, chance: dict, benches: list[Benchmark], chat: bool) -> dict:
+    """(accuracy - chance) / (1 - chance) per benchmark, and their mean (`core`, or `chatcore` for a chat model)."""
+    out = {b.name: round((scores[b.name] - chance[b.name]) / (1 - chance[b.name]), 4)
+           for b in benches if b.name in scores}
+    if out:
+        out["chatcore" if chat else "core"] = round(sum(out.values()) / len(out), 4)
+    return out
+
+
+def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Benchmark]) -> dict:
     model, tok, gen = load_model_dir(path, device=device)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
@@ -135,34 +196,37 @@ def evaluate_model(name: str, path: Path, p: Params, device) -> dict:
             scores[task] = round(sum(is_correct(task, r, it["answer"]) for r, it in zip(replies, items)) / len(items), 4)
         for task in MULTIPLE_CHOICE:
             scores[task] = round(multiple_choice(model, tok, load_eval_items(task, p.evaluate.max_items), device), 4)
-        for spec in p.evaluate.extra:
-            kind, items = extra_items(spec, p.evaluate.max_items)
-            key = spec.replace(":", "_").replace("/", "_")
-            if kind == "gsm8k":
-                prompts = [render(tok, [{"role": "user", "content": it["prompt"]}], for_completion=True)[0][-seq_len // 2:]
-                           for it in items]
-                replies = generate_all(engine, tok, prompts, p.evaluate.max_new_tokens, f"{name}/{key}")
-                scores[key] = round(sum(final_answer(r) == it["answer"] for r, it in zip(replies, items)) / len(items), 4)
-            else:
-                scores[key] = round(multiple_choice(model, tok, items, device), 4)
+        scores.update(benchmark_scores(name, model, tok, engine, benches, p.evaluate.max_new_tokens))
     finally:
         engine.shutdown()
     return scores
 
 
+def load_benchmarks(p: Params) -> list[Benchmark]:
+    """Every benchmark with a source, read before any model is: a bad source stops the stage at once."""
+    return [load_benchmark(name, resolve_source(b.source), p.evaluate.max_items, b.shots)
+            for name, b in vars(p.evaluate.benchmarks).items() if b.source]
+
+
 def main(argv=None) -> None:
     p = load_params(stage="evaluate")
     device = resolve_device(p.runtime.device)
+    try:
+        benches = load_benchmarks(p)
+    except BenchmarkError as e:
+        raise SystemExit(f"evaluate: evaluate.benchmarks.{e}") from None
     results = {}
     for name, path in paths.EVAL_MODELS.items():
         try:
-            results[name] = evaluate_model(name, path, p, device)
+            results[name] = evaluate_model(name, path, p, device, benches)
         except ModelDirError as e:
             raise SystemExit(f"evaluate: {e}") from None
         print(f"evaluate {name}: {results[name]}", file=sys.stderr)
-    results["chance"] = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}}
+    chance = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}, **{b.name: round(b.chance, 4) for b in benches}}
+    results["centered"] = {m: centered(results[m], chance, benches, m in CHAT_MODELS) for m in paths.EVAL_MODELS}
+    results["chance"] = chance
     write_json(paths.metrics_file("evaluate"), results)
-    rows = ["model\ttask\taccuracy"] + [f"{m}\t{t}\t{v}" for m, sc in results.items() for t, v in sc.items()
+    rows = ["model\ttask\taccuracy"] + [f"{m}\t{t}\t{v}" for m in (*paths.EVAL_MODELS, "chance") for t, v in results[m].items()
                                          if t != "val_bpb"]
     atomic_write_text(paths.plot_file("evaluate"), "\n".join(rows) + "\n")
 

@@ -68,6 +68,14 @@ def test_profiles_exist():
     (lambda d: d["runtime"].update(rdzv_endpoint="node0:99999"), "runtime.rdzv_endpoint must be host:port"),
     (lambda d: d["runtime"].update(timeout_s=0), "runtime.timeout_s must be > 0"),
     (lambda d: d.update(profile="nope"), "profile 'nope'"),
+    (lambda d: d["evaluate"]["benchmarks"]["mmlu"].update(source="data/mmlu.csv"),
+     "evaluate.benchmarks.mmlu.source='data/mmlu.csv': a local source must be a .jsonl, .json, .parquet file"),
+    (lambda d: d["evaluate"]["benchmarks"]["arc_easy"].update(source="nowhere/arc.jsonl"),
+     "evaluate.benchmarks.arc_easy.source='nowhere/arc.jsonl': no such file"),
+    (lambda d: d["evaluate"]["benchmarks"]["gsm8k"].update(source="hub:"), "evaluate.benchmarks.gsm8k.source='hub:'"),
+    (lambda d: d["evaluate"]["benchmarks"]["hellaswag"].update(shots=-1), "evaluate.benchmarks.hellaswag.shots"),
+    (lambda d: d["evaluate"]["benchmarks"].update(piqa={"source": ""}), "unknown key 'evaluate.benchmarks.piqa'"),
+    (lambda d: d["evaluate"].update(extra=["mmlu:hub:cais/mmlu"]), "unknown key 'evaluate.extra'"),
 ])
 def test_bad_values_name_the_key(edit, key):
     d = base()

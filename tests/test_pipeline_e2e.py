@@ -90,6 +90,14 @@ def test_repro_noop_and_param_change(tmp_path):
     scores = json.loads((proj / paths.metrics_file("evaluate")).read_text())
     assert {"base", "midtrain", "sft", "chance"} <= set(scores)
     assert 0.0 <= scores["sft"]["arithmetic"] <= 1.0
+    # every benchmark, from the committed fixtures: by log-likelihood for the base models, by generation for
+    # the chat model, each with its chance level and centred accuracy
+    for model, tasks in [("base", ("arc_easy", "arc_challenge", "mmlu", "hellaswag", "lambada")),
+                         ("sft", ("arc_easy", "arc_challenge", "mmlu", "hellaswag", "gsm8k"))]:
+        for task in tasks:
+            assert 0.0 <= scores[model][task] <= 1.0 and task in scores["chance"] and task in scores["centered"][model]
+    assert "core" in scores["centered"]["midtrain"] and "chatcore" in scores["centered"]["sft"]
+    assert "\tgsm8k\t" in (proj / paths.plot_file("evaluate")).read_text()
     shown = dvc(proj, "metrics", "show").stdout
     assert str(paths.metrics_file("evaluate")) in shown and "val_bpb" in shown
 
