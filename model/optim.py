@@ -89,7 +89,11 @@ class Muon(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p.grad)
                 bufs.append(state["momentum"])
             torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
-            sources = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+            if group["nesterov"]:
+                # in place on the gradients (not read again before zero_grad): torch 2.11's DTensor has a
+                # sharding rule for the in-place foreach lerp only, and FSDP's gradients are DTensors
+                torch._foreach_lerp_(grads, bufs, group["momentum"])
+            sources = grads if group["nesterov"] else bufs
             # whole matrices (gathered when FSDP shards them), cut into their parts, grouped by shape
             by_shape: dict[tuple, list] = {}
             pieces: list[list] = []

@@ -78,6 +78,8 @@ if [ "$MODE" = start ]; then
   setsid bash -c "cd '$SRC' && { $(declare -f run); run; echo \$? > $T/done; }" > $T/run.log 2>&1 < /dev/null &
   follow
 elif [ "$MODE" = wait ]; then
+  # a machine given back between the calls is a fresh one: nothing to follow, so say so at once
+  [ -e $T/run.log ] || { echo "no run here to follow (the machine was given back): start it again"; exit 1; }
   follow
 else
   echo "usage: data_h200.sh start [SIZE] | wait"; exit 2
