@@ -13,6 +13,15 @@ from model.gpt import GPT, GPTConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_cache():
+    """Each test's model compiles afresh. The compiled forward is cached per code object, across model
+    instances: after the tests before it, the fourth test hit dynamo's recompile limit and ran its prefill
+    eager (on the H200, it failed only after the others and passed alone)."""
+    torch._dynamo.reset()
+    yield
+
+
 def gpu_model():
     cfg = GPTConfig(vocab_size=4096, n_layer=6, n_embd=512, n_head=4, n_kv_head=4, seq_len=1024)
     with torch.device("cuda"):
