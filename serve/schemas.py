@@ -53,6 +53,13 @@ class ChatMessage(_Strict):
     content: Union[str, list[TextPart]]
     sparkchat_parts: Optional[list[ReplyPart]] = Field(
         None, description="extension, assistant messages only: the reply as the server returned it")
+    name: Optional[str] = Field(None, description="accepted and ignored")
+    # what a client sends back of a reply (the openai package's message.model_dump() has them all): null only
+    refusal: None = None
+    tool_calls: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Optional[Annotated[list, Field(max_length=0)]] = None
 
 
 class StreamOptions(_Strict):

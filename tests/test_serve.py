@@ -426,6 +426,9 @@ def test_history_sent_back_with_its_parts_renders_as_trained(tool_client, conv_t
     as_words = render(serve_tokenizer, [question, {"role": "assistant", "content": first.content}, follow_up],
                       for_completion=True)[0]
     assert words_only.usage.prompt_tokens == len(as_words) < len(as_trained)
+    # the reply sent back as the openai package gives it (null refusal, tool_calls, audio...): the same turn
+    dumped = chat(tool_client, messages=[question, first.model_dump(), follow_up], max_tokens=1)
+    assert dumped.usage.prompt_tokens == len(as_trained)
 
 
 @pytest.mark.parametrize("message, param", [
