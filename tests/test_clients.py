@@ -167,3 +167,57 @@ metric_list:
     got = [s["filtered_resps"][0] for s in results["samples"]["sparkchat_gen"]]
     assert got == own  # every reply, not only the matching half, is the model's own greedy reply
     assert score == 0.5
+
+
+def test_lm_eval_gives_the_evaluate_stages_accuracy_on_its_benchmark_items(server, serve_model, serve_tokenizer,
+                                                                           serve_model_dir, tmp_path):
+    """The evaluate stage's base-model scoring (pipeline/evaluate.py) and lm-eval's local-completions
+    through /v1/completions, on the same fixture items in the hub schemas (ARC-Easy, MMLU, HellaSwag):
+    every choice's log-likelihood agrees, and so does the accuracy under the stage's rule (the highest
+    log-likelihood per token, CORE's)."""
+    from model.scoring import score_continuations
+    from pipeline.benchmarks import load_benchmark
+    from pipeline.evaluate import loglikelihood_accuracy
+    fixtures = Path(__file__).parent / "fixtures" / "evals"
+    benches = [load_benchmark(name, str(fixtures / f"{name}.jsonl"), max_items=100)
+               for name in ("arc_easy", "mmlu", "hellaswag")]
+    tok, limit = serve_tokenizer, serve_model.config.seq_len - 1  # lm-eval cuts requests longer than this
+    for b in benches:  # the items whose every request fits whole, so neither side cuts a context
+        b.scored = [i for i in b.scored if all(1 + len(tok.encode(b.pool[i].context)) + len(tok.encode(" " + c))
+                                               <= limit for c in b.pool[i].choices)]
+    items = [b.pool[i] for b in benches for i in b.scored]
+    stage_correct = sum(loglikelihood_accuracy(serve_model, serve_tokenizer, b) * len(b.scored) for b in benches)
+
+    # the stage's requests start with <|bos|>; lm-eval's API models add none with this tokenizer, so the
+    # task's text carries it (the transformers tokenizer reads it as the control id)
+    docs = [{"context": "<|bos|>" + it.context, "choices": list(it.choices), "gold": it.gold} for it in items]
+    data = tmp_path / "items.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "sparkchat_bench.yaml").write_text(f"""task: sparkchat_bench
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: gold
+metric_list:
+  - metric: acc
+""")
+    model_args = (f"model=sparkchat,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                  f"tokenizer={serve_model_dir},max_length={serve_model.config.seq_len}")
+    samples = lm_eval("local-completions", model_args, tmp_path / "tasks", "sparkchat_bench")["samples"]["sparkchat_bench"]
+    lm_correct = 0
+    for it, s in zip(items, samples):
+        lls = [float(r[0]) for r in s["filtered_resps"]]
+        continuations = [tok.encode(" " + c) for c in it.choices]
+        own = score_continuations(serve_model, [([tok.bos_id] + tok.encode(it.context), c) for c in continuations])
+        assert lls == pytest.approx([o.logprob for o in own], abs=1e-3)
+        per_token = [ll / len(c) for ll, c in zip(lls, continuations)]
+        lm_correct += max(range(len(per_token)), key=per_token.__getitem__) == it.gold
+    print(f"{len(items)} items: lm-eval {lm_correct}, the evaluate stage {stage_correct:.0f} right")
+    assert lm_correct == round(stage_correct)
+    assert 0 < lm_correct < len(items)
