@@ -84,6 +84,28 @@ def lm_eval(model: str, model_args: str, task_dir: Path, task: str, **kw) -> dic
     return out
 
 
+def mc_task(tmp_path: Path, task: str, docs: list[dict]) -> Path:
+    """A folder holding one lm-eval multiple-choice task over `docs` ({context, choices, gold}) from a
+    local JSON-lines file."""
+    data = tmp_path / f"{task}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / f"{task}.yaml").write_text(f"""task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: gold
+metric_list:
+  - metric: acc
+""")
+    return tmp_path / "tasks"
+
+
 @torch.no_grad()
 def own_loglikelihood(model, tok, context: str, continuation: str) -> float:
     """The model's log-likelihood of `continuation` after `context`, tokenized as lm-eval's causal
@@ -94,31 +116,16 @@ def own_loglikelihood(model, tok, context: str, continuation: str) -> float:
 
 
 def test_lm_eval_loglikelihood_multiple_choice(server, serve_model, serve_tokenizer, serve_model_dir, tmp_path):
-    docs = [{"question": q, "choices": c, "answer": i % 4} for i, (q, c) in enumerate(zip(QUESTIONS, CHOICES))]
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "sparkchat_mc.yaml").write_text(f"""task: sparkchat_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: question
-doc_to_choice: choices
-doc_to_target: answer
-metric_list:
-  - metric: acc
-""")
+    docs = [{"context": q, "choices": c, "gold": i % 4} for i, (q, c) in enumerate(zip(QUESTIONS, CHOICES))]
+    tasks = mc_task(tmp_path, "sparkchat_mc", docs)
     # a local model's tokenizer: the model directory's tokenizer.json, through transformers
     model_args = (f"model=sparkchat,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
                   f"tokenizer={serve_model_dir},max_length=128")
-    results = lm_eval("local-completions", model_args, tmp_path / "tasks", "sparkchat_mc")
+    results = lm_eval("local-completions", model_args, tasks, "sparkchat_mc")
     acc = results["results"]["sparkchat_mc"]["acc,none"]
     # the model's own scoring of the same items: the continuation is " " + choice (lm-eval's delimiter)
-    own = [[own_loglikelihood(serve_model, serve_tokenizer, d["question"], " " + c) for c in d["choices"]] for d in docs]
-    own_acc = sum(max(range(4), key=lambda k: lls[k]) == d["answer"] for lls, d in zip(own, docs)) / len(docs)
+    own = [[own_loglikelihood(serve_model, serve_tokenizer, d["context"], " " + c) for c in d["choices"]] for d in docs]
+    own_acc = sum(max(range(4), key=lambda k: lls[k]) == d["gold"] for lls, d in zip(own, docs)) / len(docs)
     print(f"lm-eval sparkchat_mc acc={acc:.4f}; the model's own scoring: {own_acc:.4f}")
     assert acc == pytest.approx(own_acc, abs=1e-9)
     for s, lls in zip(results["samples"]["sparkchat_mc"], own):  # each choice's log-likelihood too
@@ -191,25 +198,10 @@ def test_lm_eval_gives_the_evaluate_stages_accuracy_on_its_benchmark_items(serve
     # the stage's requests start with <|bos|>; lm-eval's API models add none with this tokenizer, so the
     # task's text carries it (the transformers tokenizer reads it as the control id)
     docs = [{"context": "<|bos|>" + it.context, "choices": list(it.choices), "gold": it.gold} for it in items]
-    data = tmp_path / "items.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "sparkchat_bench.yaml").write_text(f"""task: sparkchat_bench
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: gold
-metric_list:
-  - metric: acc
-""")
+    tasks = mc_task(tmp_path, "sparkchat_bench", docs)
     model_args = (f"model=sparkchat,base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
                   f"tokenizer={serve_model_dir},max_length={serve_model.config.seq_len}")
-    samples = lm_eval("local-completions", model_args, tmp_path / "tasks", "sparkchat_bench")["samples"]["sparkchat_bench"]
+    samples = lm_eval("local-completions", model_args, tasks, "sparkchat_bench")["samples"]["sparkchat_bench"]
     lm_correct = 0
     for it, s in zip(items, samples):
         lls = [float(r[0]) for r in s["filtered_resps"]]
