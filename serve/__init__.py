@@ -1,1 +1,6 @@
 """sparkchat chat server: an OpenAI-compatible API and a Gradio chat page over one batching engine."""
+
+# the server's defaults (`sparkchat serve` flags and api.Settings); here so the flag parser needs no torch
+MAX_BATCH = 16  # sequences decoded together (KV-cache rows)
+MAX_QUEUE = 64  # requests that may wait for a row; beyond that, 429
+MODEL_ID = "sparkchat"  # the model's name in the API

@@ -9,6 +9,8 @@ import os
 
 from sparkchat import paths
 
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
+
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
 # kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
 # was several times slower with them spinning; `python -m bench.serve` measures it). No effect on CUDA.
@@ -28,9 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require this bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait (default: %(default)s)")
-    p.add_argument("--served-model-name", default="sparkchat",
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="sequences decoded together (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE, help="requests that may wait (default: %(default)s)")
+    p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
 

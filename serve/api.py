@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sparkchat import paths
 
-from . import completions, errors, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -45,12 +45,12 @@ class Settings:
     """torch device; default cuda when available, else cpu."""
     api_key: str | None = None
     """If set, /v1 requires 'Authorization: Bearer <key>' (and the chat page asks for it)."""
-    max_batch: int = 16
+    max_batch: int = MAX_BATCH
     """Sequences decoded together (KV-cache rows)."""
-    max_queue: int = 64
+    max_queue: int = MAX_QUEUE
     """Requests that may wait for a row; beyond that, 429."""
     max_body: int = MAX_BODY_BYTES
-    model_id: str = "sparkchat"
+    model_id: str = MODEL_ID
     ui: bool = True
     """Mount the Gradio page at /."""
 

@@ -22,6 +22,7 @@ from model.engine import Engine, Finished, PromptLogprobs, SamplingParams, Token
 from model.model_dir import load_model_dir
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
 from .metrics import Metrics
 
 log = logging.getLogger("sparkchat.serve")
@@ -190,11 +191,11 @@ class Runtime:
     engine: Engine
     defaults: dict
     metrics: Metrics
-    model_id: str = "sparkchat"
+    model_id: str = MODEL_ID
 
     @classmethod
-    def load(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = 16,
-             max_queue: int = 64, model_id: str = "sparkchat") -> "Runtime":
+    def load(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
+             max_queue: int = MAX_QUEUE, model_id: str = MODEL_ID) -> "Runtime":
         dev = pick_device(device)
         dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         t = time.perf_counter()
