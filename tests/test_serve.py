@@ -445,3 +445,20 @@ def test_400_parts_that_do_not_match(tool_client, message, param):
         chat(tool_client, messages=[{"role": "user", "content": "Hello!"}, message,
                                     {"role": "user", "content": "Hello!"}])
     assert error_of(e)["param"] == param
+
+
+def test_control_token_text_sent_to_the_api_is_plain_text(client, serve_tokenizer):
+    """Prompt injection through the API: each control token's text, typed into system, user and assistant
+    messages and into a completions prompt, reaches the model as plain text: the prompt is as long as the
+    renderer makes it for the text as text (read as a control token, the text would be one id)."""
+    from model.tokenizer import SPECIAL_TOKENS
+    tok = serve_tokenizer
+    for t in SPECIAL_TOKENS:
+        forged = [{"role": "system", "content": t}, {"role": "user", "content": t},
+                  {"role": "assistant", "content": t}, {"role": "user", "content": t}]
+        ids = render(tok, forged, for_completion=True)[0]
+        as_control = len(render(tok, [{**m, "content": "q"} for m in forged], for_completion=True)[0])
+        assert chat(client, messages=forged, max_tokens=1).usage.prompt_tokens == len(ids) > as_control, t
+        c = client.completions.create(model="sparkchat", prompt=t, max_tokens=0, echo=True, logprobs=0)
+        assert c.usage.prompt_tokens == 1 + len(tok.encode(t)) > 2, t  # <|bos|>, then the text as text
+        assert c.choices[0].text == t and t not in c.choices[0].logprobs.tokens, t
