@@ -110,6 +110,20 @@ def check_file(path: Path, record: dict) -> str | None:
     return None
 
 
+# files this process has hashed, by what stat says of them: `sparkchat serve` checks a directory before its
+# port opens and loads it after, and a d20 model's weights take seconds to hash
+_verified: dict[tuple, str] = {}
+
+
+def _stat_key(path: Path) -> tuple | None:
+    """A file's identity and version: rewritten or replaced (a rename), it gets another key."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def verify_model_dir(path: str | Path) -> None:
     """Checks every file against checksums.json; raises ModelDirError naming the first bad one. Without
     checksums.json only the required files' presence is checked, with a warning."""
@@ -124,9 +138,13 @@ def verify_model_dir(path: str | Path) -> None:
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ModelDirError(f"model directory {path} is damaged: {CHECKSUMS} cannot be read ({e})") from None
         for name, record in files.items():
+            seen = _stat_key(path / name)
+            if seen is not None and _verified.get(seen) == record["sha256"]:
+                continue  # checked already by this process, and not touched since
             problem = check_file(path / name, record)
             if problem:
                 raise ModelDirError(f"model directory {path} is damaged: {name} {problem}")
+            _verified[seen] = record["sha256"]
     hf = is_hf_dir(path)
     for names in HF_REQUIRED if hf else REQUIRED:
         names = (names,) if isinstance(names, str) else names

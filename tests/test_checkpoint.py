@@ -241,6 +241,23 @@ def test_damaged_model_dir_names_the_file(model_dir, name, damage):
     assert "Traceback" not in out and "Uvicorn running" not in out and "Started server process" not in out
 
 
+def test_a_model_dir_is_hashed_once_per_process_until_a_file_changes(model_dir, monkeypatch):
+    """`sparkchat serve` verifies before its port opens and loads after: the weights are hashed once. A file
+    written since (same size, other bytes) is hashed again, and named."""
+    import model.model_dir as md
+    hashed = []
+    check = md.check_file
+    monkeypatch.setattr(md, "check_file", lambda p, r: hashed.append(p.name) or check(p, r))
+    md.verify_model_dir(model_dir)
+    load_model_dir(model_dir)
+    assert sorted(hashed) == sorted(json.loads((model_dir / CHECKSUMS).read_text()))  # each file once
+    hashed.clear()
+    overwrite_4k(model_dir / "model.safetensors")
+    with pytest.raises(ModelDirError, match=r"model\.safetensors"):
+        load_model_dir(model_dir)
+    assert hashed == ["model.safetensors"]
+
+
 def test_model_dir_without_checksums_loads_with_a_warning(model_dir, caplog):
     (model_dir / CHECKSUMS).unlink()
     with caplog.at_level("WARNING", logger="model.model_dir"):
