@@ -22,6 +22,7 @@ SPECIAL_TOKENS = [
 # these two: model/chat.py then puts a system prompt before the first user message, as nanochat does
 SYSTEM_TOKENS = ("<|system_start|>", "<|system_end|>")
 
+
 def _byte_of_char() -> dict[str, int]:
     """The byte-level alphabet's inverse: the byte each vocabulary character stands for. (GPT-2's
     bytes_to_unicode, which `tokenizers` uses but does not expose as a mapping.)"""

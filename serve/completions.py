@@ -150,20 +150,17 @@ def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> A
                                 finish_reason=serving.finish_reason(s) if finish else None)
 
     async def frames():
-        try:
-            async with contextlib.aclosing(serving.merged(streams)) as pieces:
-                async for c, piece in pieces:
-                    if not echoed[c]:  # the prompt's logprobs are in: they precede every token
-                        echoed[c] = True
-                        p = prompts[c // req.n]
-                        logprobs = builders[c].prompt(p, streams[c]) if req.logprobs is not None else None
-                        yield chunk([CompletionChoice(index=c, text=p.echo, logprobs=logprobs)])
-                    yield chunk([choice(c, "", finish=True) if piece is None else choice(c, piece)])
-            if include_usage:
-                yield chunk([], _usage(prompts, streams))
-            yield "data: [DONE]\n\n"
-        finally:  # normal end, or the client went away: free every row now
-            for s in streams:
-                s.cancel()
+        # merged() frees every row when it ends, normally or because the client went away
+        async with contextlib.aclosing(serving.merged(streams)) as pieces:
+            async for c, piece in pieces:
+                if not echoed[c]:  # the prompt's logprobs are in: they precede every token
+                    echoed[c] = True
+                    p = prompts[c // req.n]
+                    logprobs = builders[c].prompt(p, streams[c]) if req.logprobs is not None else None
+                    yield chunk([CompletionChoice(index=c, text=p.echo, logprobs=logprobs)])
+                yield chunk([choice(c, "", finish=True) if piece is None else choice(c, piece)])
+        if include_usage:
+            yield chunk([], _usage(prompts, streams))
+        yield "data: [DONE]\n\n"
 
     return frames()
