@@ -13,6 +13,8 @@
 # back to back (the machine stays warm 30 s between them) start it and collect it:
 #   call 1: carry [".whl"], `bash bench/gpu/data_h200.sh start 5.2GB`  (starts it, follows it up to WAIT s)
 #   call 2: carry [".whl"], `bash bench/gpu/data_h200.sh wait`         (follows it to the end, copies results)
+# or, with fewer steps so that it fits one call (a missed second call loses the whole run):
+#   carry [".whl"], `STEPS=12 PROBE_STEPS=20 bash bench/gpu/data_h200.sh once 5.05GB` (LIMIT s, 560)
 # Comes back under $OUT: log, summary.txt, results.tar (from pipeline_h200_small_dvc.sh), gpu.csv
 # (nvidia-smi every 0.5 s), corpus.log, probe/probe.json and probe.md.
 MODE=${1:-start} SIZE=${2:-5.2GB} STEPS=${STEPS:-40} PARTS=${PARTS:-8} WAIT=${WAIT:-570}
@@ -52,7 +54,7 @@ PY
   cd /tmp/sparkchat || exit 1
   vocab=$(python3 -c "from model.tokenizer import SparkTokenizer; from sparkchat import paths; print(SparkTokenizer.load(paths.TOKENIZER).vocab_size)")
   tokens=$(python3 -c "from sparkchat import paths; print(paths.PRETRAIN_TRAIN_TOKENS)").ids.bin
-  python3 -m pipeline.probe --depth 20 --seq-len 2048 --batch 32 --vocab $vocab --backends fp8 --steps 30 \
+  python3 -m pipeline.probe --depth 20 --seq-len 2048 --batch 32 --vocab $vocab --backends fp8 --steps ${PROBE_STEPS:-30} \
     --tokens $tokens --out $RESULTS/probe 2>&1 | tail -8
   kill $smi 2>/dev/null
 }
@@ -71,16 +73,22 @@ follow() {
   fi
 }
 
-export T RESULTS SRC SIZE STEPS PARTS
+export T RESULTS SRC SIZE STEPS PARTS PROBE_STEPS
 if [ "$MODE" = start ]; then
   rm -rf $T && mkdir -p $T
   # its own session: it outlives this call (the device tool ends a call's other processes)
   setsid bash -c "cd '$SRC' && { $(declare -f run); run; echo \$? > $T/done; }" > $T/run.log 2>&1 < /dev/null &
   follow
+elif [ "$MODE" = once ]; then
+  rm -rf $T && mkdir -p $T
+  export -f run
+  timeout ${LIMIT:-560} bash -c run > $T/run.log 2>&1 < /dev/null
+  echo "rc $?"; tail -40 $T/run.log
+  cp -r $RESULTS/. "$OUT"/ 2>/dev/null; cp $T/run.log "$OUT"/run.log
 elif [ "$MODE" = wait ]; then
   # a machine given back between the calls is a fresh one: nothing to follow, so say so at once
   [ -e $T/run.log ] || { echo "no run here to follow (the machine was given back): start it again"; exit 1; }
   follow
 else
-  echo "usage: data_h200.sh start [SIZE] | wait"; exit 2
+  echo "usage: data_h200.sh start|once [SIZE] | wait"; exit 2
 fi
