@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
         args.out.mkdir(parents=True, exist_ok=True)
     argv = ["-m", "serve", "--model", args.model, "--device", "cpu", "--max-batch", "16", "--max-queue", "64",
             "--served-model-name", args.served_model_name]
-    with running_server(argv) as base:
+    with running_server(argv) as (base, _):
         stats = fuzz(base, args.served_model_name, args.examples, args.seed, args.out, timeout=3600)
     if args.out:  # every request and response, compressed (~20x)
         har = args.out / "requests.har"

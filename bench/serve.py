@@ -66,7 +66,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(argv: list[str], timeout: float = 120):
     """Start `python <argv> --port P` from the project root (a separate process), wait until /health
-    answers, yield the base URL, and stop the server afterwards."""
+    answers, yield (base URL, its pid), and stop the server afterwards."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -84,7 +84,7 @@ def running_server(argv: list[str], timeout: float = 120):
             if server.poll() is not None or time.time() > deadline:
                 sys.exit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
             time.sleep(0.2)
-        yield base
+        yield base, server.pid
     finally:
         server.terminate()
         try:
@@ -97,15 +97,14 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     body = {"model": "sparkchat", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
             "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
             "stream_options": {"include_usage": True}}
-    tokens = 0
+    last = ""
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    tokens = usage["completion_tokens"]
-    return tokens
+                last = line  # parsed once, at the end: a client that parsed every chunk measured itself
+    usage = json.loads(last[6:]).get("usage") if last else None  # the usage chunk comes last
+    return usage["completion_tokens"] if usage else 0
 
 
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:
@@ -144,7 +143,7 @@ def main(argv=None) -> dict:
             sys.exit(f"{model_dir} is not a model directory: run the pipeline, or pass --random-init DEPTH")
         argv = ["-m", "serve", "--model", str(model_dir), "--device", args.device, "--max-batch", str(max(levels)),
                 "--max-queue", "256"]
-        with running_server(argv) as base:
+        with running_server(argv) as (base, _):
             results = {}
             for n in levels:
                 tokens, requests, secs = asyncio.run(run_level(base, n, args.seconds, args.max_tokens))

@@ -8,6 +8,10 @@ in the same run, one step cannot take less than bytes / bandwidth. Also: TTFT of
 at idle, and the engine with CUDA graphs off (the eager path) as the reference.
 
     python -m bench.serve_gpu [--depth 20] [--levels 1,16,64,128] [--http] [--out bench/results/x.json]
+
+On a CPU (`--device cpu`, fp32, no bound, no graphs), a small model (`--depth 2 --vocab 2048`) makes
+the engine fast enough that the server's own per-token work decides the HTTP rate: the overhead the
+GPU run shows above 16 streams, measured where it can be profiled.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from model.gpt import GPT, GPTConfig
 
 
 
-def d_model(depth: int, vocab: int, device) -> GPT:
+def d_model(depth: int, vocab: int, device: torch.device) -> GPT:
     width = 64 * depth
     cfg = GPTConfig(vocab_size=vocab, n_layer=depth, n_embd=width, n_head=width // 128, n_kv_head=width // 128,
                     seq_len=2048)
@@ -40,7 +44,7 @@ def d_model(depth: int, vocab: int, device) -> GPT:
         for block in model.blocks:
             for lin in (block.attn.c_proj, block.mlp.c_proj):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.02)
-    return model.to(torch.bfloat16).eval()
+    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
 
 
 def copy_bandwidth(device) -> float:
@@ -131,27 +135,37 @@ def greedy_agreement(model, prompts: list[list[int]], new: int = 32) -> dict:
                                  for i, w in enumerate(want)]}
 
 
-def http_levels(model_dir: Path, levels, new: int) -> dict:
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds a thread of another process has used (Linux /proc), waits for the GIL excluded."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def http_levels(model_dir: Path, levels, new: int, device: str, min_seconds: float = 4.0) -> dict:
     """The same levels through the server in a separate process (the API alone: the chat page adds
-    nothing to a request's path) and the OpenAI streaming API."""
+    nothing to a request's path) and the OpenAI streaming API, rounds of all streams at once for at
+    least `min_seconds` a level. Also the CPU time the server's event
+    loop thread (its main thread: HTTP, SSE, detokenizing) spends per generated token."""
     import httpx
 
     from bench.serve import one_stream, running_server
     # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
     launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
-              "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device='cuda', max_batch=int(sys.argv[2]), "
-              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[4]), log_level='warning')")
+              "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
+              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[5]), log_level='warning')")
     out = {}
-    with running_server(["-c", launch, str(model_dir), str(max(levels))], timeout=300) as base:
+    with running_server(["-c", launch, str(model_dir), str(max(levels)), device], timeout=300) as (base, pid):
         async def level(n: int) -> dict:
             url = base + "/v1/chat/completions"
             limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
             async with httpx.AsyncClient(timeout=600, limits=limits) as client:
                 await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n)))  # warm-up
-                t = time.perf_counter()
-                counts = await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n)))
-                secs = time.perf_counter() - t
-            return {"tokens": sum(counts), "seconds": secs, "tokens_per_s": sum(counts) / secs}
+                cpu, t, tokens = thread_cpu_s(pid, pid), time.perf_counter(), 0
+                while not tokens or time.perf_counter() - t < min_seconds:  # rounds of n streams at once
+                    tokens += sum(await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n))))
+                secs, cpu = time.perf_counter() - t, thread_cpu_s(pid, pid) - cpu
+            return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+                    "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1)}
 
         for n in levels:
             out[n] = asyncio.run(level(n))
@@ -169,13 +183,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the HTTP path's overhead with a small model (default: %(default)s)")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/serve_gpu.py needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/serve_gpu.py needs a CUDA GPU (or --device cpu)")
     levels = [int(x) for x in args.levels.split(",")]
-    device = torch.device("cuda")
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    res: dict = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({torch.get_num_threads()} threads)",
+                 "torch": torch.__version__}
     if args.trained:  # a trained model's logits are peaked: greedy ids are not decided by rounding
         from model.chat import render
         from model.model_dir import load_model_dir
@@ -189,33 +207,40 @@ def main(argv=None) -> dict:
             return res
     model = d_model(args.depth, args.vocab, device)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
-    bw = copy_bandwidth(device)
-    bound_ms = 1000 * weight_bytes / bw
     res.update({"depth": args.depth, "params": model.num_params(), "weight_bytes_read_per_step": weight_bytes,
-                "copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4),
                 "prompt_tokens": args.prompt, "new_tokens": args.new})
-    print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
-          f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
-    t = time.perf_counter()
-    Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
-    res["warmup_s"] = round(time.perf_counter() - t, 1)
-    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 600, (10,), generator=g)]
-    res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
-    print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
-          f"{res['greedy_vs_eager_random']}", flush=True)
-    variants = [("graphs", True)] + ([("eager", False)] if args.eager else [])
+    bound_ms = None
+    if gpu:
+        bw = copy_bandwidth(device)
+        bound_ms = 1000 * weight_bytes / bw
+        res.update({"copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4)})
+        print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
+              f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
+        t = time.perf_counter()
+        Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
+        res["warmup_s"] = round(time.perf_counter() - t, 1)
+        print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist()
+                   for n in torch.randint(4, 600, (10,), generator=g)]
+        res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
+        print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
+              f"{res['greedy_vs_eager_random']}", flush=True)
+    else:
+        print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.2f}M params, fp32", flush=True)
+    # on a CPU there are no graphs: the one variant is the engine as the server runs it there
+    variants = [("graphs", True)] + ([("eager", False)] if args.eager else []) if gpu else [("cpu", False)]
     for name, graphs in variants:
         r = engine_levels(model, levels, args.prompt, args.new, graphs, args.vocab)
         res[f"engine_{name}"] = r
         for n in levels:
             x = r[n]
-            bound_tps = n * 1000 / bound_ms
-            x["of_bound"] = round(x["tokens_per_s"] / bound_tps, 4)
+            of_bound = ""
+            if bound_ms:
+                x["of_bound"] = round(x["tokens_per_s"] / (n * 1000 / bound_ms), 4)
+                of_bound = f", {x['of_bound']:.1%} of the weight-read bound"
             print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
-                  f"TTFT {x['ttft_ms_median']:7.1f} ms, {x['of_bound']:.1%} of the weight-read bound", flush=True)
+                  f"TTFT {x['ttft_ms_median']:7.1f} ms{of_bound}", flush=True)
         print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
         save(res, args.out)
     if args.http:
@@ -226,13 +251,14 @@ def main(argv=None) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             save_model_dir(Path(tmp) / "m", model.float(), tok, {"temperature": 1.0, "top_k": 50,
                                                                  "max_tokens": args.new, "tool_use": False})
-            model.to(torch.bfloat16)
-            r = http_levels(Path(tmp) / "m", levels, args.new)
+            model.to(torch.bfloat16 if gpu else torch.float32)
+            r = http_levels(Path(tmp) / "m", levels, args.new, args.device)
         res["http"] = r
         for n in levels:
-            e = res["engine_graphs"][n]["tokens_per_s"]
-            print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine alone)",
-                  flush=True)
+            e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
+            r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)
+            print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine "
+                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token", flush=True)
     save(res, args.out)
     return res
 

@@ -140,7 +140,7 @@ def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> A
 
     def chunk(choices, usage=None) -> str:
         body = _response(req, runtime, choices, usage, cid, created)
-        return serving.sse(body.model_dump(exclude={"usage"} if not include_usage else None))
+        return serving.sse(body, exclude={"usage"} if not include_usage else None)
 
     def choice(c: int, text: str, finish: bool = False) -> CompletionChoice:
         s = streams[c]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +61,38 @@ class PlainReader:
         return [{"type": "text", "text": self.words}] if self.words else []
 
 
+class _Handoff:
+    """Engine events to one event loop's stream queues, a batch per wake-up of the loop. The engine
+    thread emits one event per row per step; a wake-up each (call_soon_threadsafe: a pipe write and a
+    GIL hand-over) slowed the engine itself at many streams. The first event into an empty batch
+    schedules the flush; the rest of that step's rows join the batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.pending = loop, threading.Lock(), []
+
+    def put(self, queue: asyncio.Queue, ev) -> None:  # engine thread
+        with self.lock:
+            self.pending.append((queue, ev))
+            if len(self.pending) > 1:
+                return  # a flush is already scheduled
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:  # the loop
+        with self.lock:
+            batch, self.pending = self.pending, []
+        for queue, ev in batch:
+            queue.put_nowait(ev)
+
+
+_handoffs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Handoff]" = weakref.WeakKeyDictionary()
+
+
+def loop_handoff(loop: asyncio.AbstractEventLoop) -> _Handoff:
+    if loop not in _handoffs:
+        _handoffs[loop] = _Handoff(loop)
+    return _handoffs[loop]
+
+
 class TextStream:
     """One generation as async text: iterate it for the words. A piece is also yielded (possibly "")
     when a tool use completes, which is then in `tool_uses`. Afterwards `finish_reason` ('stop' or
@@ -72,7 +106,7 @@ class TextStream:
     def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str],
                  chat: bool = True):
         self.runtime = runtime
-        self.loop = asyncio.get_running_loop()
+        self.handoff = loop_handoff(asyncio.get_running_loop())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reader = ReplyReader(runtime.tokenizer) if chat else PlainReader(runtime.tokenizer)
         self.tool_uses: list[ToolUse] = self.reader.tool_uses
@@ -92,7 +126,7 @@ class TextStream:
         runtime.metrics.prompt_tokens.inc(len(prompt))
 
     def _sink(self, ev) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        self.handoff.put(self.queue, ev)
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from model.chat import ChatFormatError, content_text, display_words
 from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
@@ -188,6 +188,14 @@ async def merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, str | No
         finally:
             await queue.put((i, None))
 
+    if len(streams) == 1:  # the usual request (n = 1): no task and queue between the stream and the reply
+        try:
+            async for piece in streams[0]:
+                yield 0, piece
+            yield 0, None
+        finally:
+            streams[0].cancel()
+        return
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(streams)
@@ -202,8 +210,10 @@ async def merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, str | No
             t.cancel()
 
 
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def sse(message: BaseModel, exclude: set[str] | None = None) -> str:
+    """One server-sent event; pydantic's own JSON writer (not model_dump then json.dumps: a chunk per
+    token per stream makes this the server's hottest line)."""
+    return f"data: {message.model_dump_json(exclude=exclude)}\n\n"
 
 
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
@@ -224,7 +234,7 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
 
     def chunk(choices, usage=None) -> str:
         c = ChatCompletionChunk(id=cid, created=created, model=runtime.model_id, choices=choices, usage=usage)
-        return sse(c.model_dump(exclude={"usage"} if not include_usage else None))
+        return sse(c, exclude={"usage"} if not include_usage else None)
 
     def logprobs(s: TextStream) -> ChoiceLogprobs | None:
         tokens = s.take_tokens() if req.logprobs else []
