@@ -63,9 +63,9 @@ class PlainReader:
 
 class _Handoff:
     """Engine events to one event loop's stream queues, a batch per wake-up of the loop. The engine
-    thread emits one event per row per step; a wake-up each (call_soon_threadsafe: a pipe write and a
-    GIL hand-over) slowed the engine itself at many streams. The first event into an empty batch
-    schedules the flush; the rest of that step's rows join the batch."""
+    thread emits one event per row per step; a wake-up each (call_soon_threadsafe: a pipe write) cost
+    that thread, which must launch the next step, several times the CPU (bench/serve_path.py). The
+    first event into an empty batch schedules the flush; the rest of that step's rows join the batch."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.lock, self.pending = loop, threading.Lock(), []
