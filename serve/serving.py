@@ -188,14 +188,6 @@ async def merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, str | No
         finally:
             await queue.put((i, None))
 
-    if len(streams) == 1:  # the usual request (n = 1): no task and queue between the stream and the reply
-        try:
-            async for piece in streams[0]:
-                yield 0, piece
-            yield 0, None
-        finally:
-            streams[0].cancel()
-        return
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         left = len(streams)
