@@ -62,16 +62,19 @@ def copy_bandwidth(device) -> float:
 
 
 def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
-    """Submit every prompt at once; time until the last finishes and each one's first token."""
+    """Submit every prompt at once; time until the last finishes, each one's first token, and the time
+    per output token after the first (TPOT: a decode step's time as one stream sees it)."""
     first: list[float] = [0.0] * len(prompts)
+    last: list[float] = [0.0] * len(prompts)
     tokens = [0] * len(prompts)
     done = threading.Semaphore(0)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
         def sink(ev, i=i):
             if isinstance(ev, Token):
+                last[i] = time.perf_counter() - t0
                 if tokens[i] == 0:
-                    first[i] = time.perf_counter() - t0
+                    first[i] = last[i]
                 tokens[i] += 1
             elif isinstance(ev, Finished):
                 done.release()
@@ -79,8 +82,10 @@ def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     for _ in prompts:
         done.acquire()
     secs = time.perf_counter() - t0
+    tpot = [(b - a) / (n - 1) for a, b, n in zip(first, last, tokens) if n > 1]
     return {"tokens": sum(tokens), "seconds": secs, "tokens_per_s": sum(tokens) / secs,
-            "ttft_ms_median": 1000 * statistics.median(first)}
+            "ttft_ms_median": 1000 * statistics.median(first),
+            "tpot_ms_median": 1000 * statistics.median(tpot) if tpot else None}
 
 
 def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> dict:
@@ -240,7 +245,8 @@ def main(argv=None) -> dict:
                 x["of_bound"] = round(x["tokens_per_s"] / (n * 1000 / bound_ms), 4)
                 of_bound = f", {x['of_bound']:.1%} of the weight-read bound"
             print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
-                  f"TTFT {x['ttft_ms_median']:7.1f} ms{of_bound}", flush=True)
+                  f"TTFT {x['ttft_ms_median']:7.1f} ms, TPOT {x['tpot_ms_median']:.3f} ms "
+                  f"({n * 1000 / x['tpot_ms_median']:.0f} tok/s after the first){of_bound}", flush=True)
         print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
         save(res, args.out)
     if args.http:

@@ -171,15 +171,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
     Rows with temperature 0 take the argmax. Others sort once, cut to top-k and top-p, and pick the
     token where the cumulative probability first exceeds `uniform` (inverse CDF). `k_max` > 0 promises
-    that every row's top_k is in 1..k_max: then only the k_max largest logits are sorted.
+    that every row's top_k is in 1..k_max or its temperature is 0 (`top_k_bound`): then only the k_max
+    largest logits are sorted.
     """
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]  # a greedy row's order is its logits' order
     if 0 < k_max < logits.shape[-1]:
         vals, idx = scaled.topk(k_max, dim=-1)  # sorted, largest first
     else:
         vals, idx = scaled.sort(dim=-1, descending=True)
+    greedy = idx[:, 0]  # the argmax, from the sort already made (a separate argmax costs a pass over V)
     V = vals.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
@@ -200,6 +201,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 TEMPERATURE, TOP_K, TOP_P, UNIFORM, PRESENCE, FREQUENCY, TARGET = range(7)
 N_SETTINGS = 7
 IDLE = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, -1.0]  # a row that rides along (prefilling): greedy, counts nothing
+
+
+def top_k_bound(settings: list[list[float]]) -> int:
+    """The most tokens any of these rows keeps (its top_k; a greedy row keeps 1), 0 when a row keeps all:
+    a bound > 0 lets `sample` sort only that many logits."""
+    ks = [1 if s[TEMPERATURE] == 0 else s[TOP_K] for s in settings]
+    return int(max(ks)) if min(ks) > 0 else 0
 
 
 def adjust(logits: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, presence: torch.Tensor,
@@ -599,9 +607,8 @@ class Engine:
         st = torch.tensor(settings, dtype=torch.float32).to(logits.device, non_blocking=True)
         if extras:
             return extras_step(logits, st, self.counts[rows], self.bias[rows], ids)
-        ks = [s[TOP_K] for s in settings]
-        k_max = int(max(ks)) if min(ks) > 0 else 0
-        return sample(logits, st[:, TEMPERATURE], st[:, TOP_K].long(), st[:, TOP_P], st[:, UNIFORM], k_max), None
+        return sample(logits, st[:, TEMPERATURE], st[:, TOP_K].long(), st[:, TOP_P], st[:, UNIFORM],
+                      top_k_bound(settings)), None
 
     def _advance(self, reqs: list[Request], logits: torch.Tensor | None = None, rows=None,
                  sampled: list[int] | None = None, info: list[list[float]] | None = None) -> None:
@@ -724,11 +731,11 @@ class DecodeGraphs:
 
     A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
     one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
-    fixed buffers and writing the sampled ids to a fixed output. The blocks are compiled first
-    (`torch.compile`, dynamic shapes: one compile serves every bucket), so a step is a few fused
-    kernels per layer rather than dozens of small ones. Rows past the active ones are free: their
-    length is set to 0 before a replay, so what the graph writes there is harmless (a row is reset
-    when a request takes it).
+    fixed buffers and writing the sampled ids to a fixed output. The blocks, the head and the sampler
+    are compiled first (`torch.compile`, dynamic shapes: one compile serves every bucket), so a step is
+    a few fused kernels per layer rather than dozens of small ones. Rows past the active ones are free:
+    their length is set to 0 before a replay, so what the graph writes there is harmless (a row is
+    reset when a request takes it).
     """
 
     def __init__(self, engine: "Engine", compile_blocks: bool = True):
@@ -743,9 +750,15 @@ class DecodeGraphs:
         # (rows, slots, k_max, extras) -> (graph, sampled ids, logprob_info or None)
         self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
+        self.sample = sample
         if compile_blocks:
-            for block in engine.model.blocks:
+            # block by block (one compile serves all twenty): the whole forward as one compile fuses a
+            # little more but took minutes to compile for every bucket (bench/results/h200-decode-2026-12-04)
+            model = engine.model
+            for block in model.blocks:
                 block.compile(dynamic=True)
+            model.head = torch.compile(model.head, dynamic=True)
+            self.sample = torch.compile(sample, dynamic=True)
 
     @staticmethod
     def _bucket(n: int, floor: int, limit: int) -> int:
@@ -768,7 +781,7 @@ class DecodeGraphs:
         n = len(settings)
         rows = self._bucket(n, 1, e.config.max_batch)
         slots = self._bucket(kv_len, 64, e.max_len)
-        k_max = self.TOP_K if not extras and all(0 < s[TOP_K] <= self.TOP_K for s in settings) else 0
+        k_max = self.TOP_K if not extras and 0 < top_k_bound(settings) <= self.TOP_K else 0
         host = self.hosts[self.turn]
         self.turn ^= 1
         if torch.is_tensor(ids):  # the previous step's sampled ids, still on the device
@@ -815,7 +828,7 @@ class DecodeGraphs:
             logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
             if extras:
                 return extras_step(logits, s, e.counts[:rows], e.bias[:rows], self.ids[:rows, 0])
-            return sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
+            return self.sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
 
         def put_back():  # what the warm-up advanced: the cache lengths, and the counts it added to
             view.lengths.copy_(saved)

@@ -71,6 +71,25 @@ def test_sample_greedy_topk_topp():
         assert all(int(g) in top3[i].tolist() for i, g in enumerate(got))
 
 
+def test_greedy_rows_share_the_top_k_sort_with_sampled_rows():
+    """A greedy row keeps one token (`top_k_bound`), so a batch of greedy rows and top-k rows sorts only
+    the k largest logits, and the greedy rows still take their argmax."""
+    from model.engine import IDLE, TEMPERATURE, TOP_K, top_k_bound
+    torch.manual_seed(0)
+    logits = torch.randn(4, 500)
+    settings = [list(IDLE) for _ in range(4)]
+    settings[2][TEMPERATURE], settings[2][TOP_K] = 1.0, 50  # rows 0, 1, 3 greedy with top_k 0
+    assert top_k_bound(settings) == 50
+    settings[3][TEMPERATURE] = 0.7  # a sampled row that keeps every token: the full sort
+    assert top_k_bound(settings) == 0
+    temperature = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    top_k = torch.tensor([0, 0, 50, 0])
+    for k_max in (50, 0):
+        got = sample(logits, temperature, top_k, torch.ones(4), torch.rand(4), k_max)
+        assert torch.equal(got[[0, 1, 3]], logits.argmax(-1)[[0, 1, 3]])
+        assert int(got[2]) in logits[2].topk(50).indices.tolist()
+
+
 def test_sample_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     u = torch.linspace(0, 0.999, 1000)
