@@ -13,17 +13,17 @@ block mask that skips the blocks past each row's length.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.decode_step import replay_ms
+from bench.serve_gpu import save
+
 LAYERS, WIDTH, HEADS, HEAD_DIM, SLOTS = 20, 1280, 10, 128, 256
 
 
-def graph_ms(fn, reps: int = 7, n: int = 20) -> float:
+def graph_ms(fn) -> float:
     """Median time of one call of `fn` replayed from a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -34,16 +34,7 @@ def graph_ms(fn, reps: int = 7, n: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return statistics.median(times)
+    return replay_ms(graph, reps=7, n=20)
 
 
 def weights():
@@ -147,9 +138,7 @@ def main(argv=None) -> dict:
             r["attention: " + name] = {"ms": round(ms, 4), "max_abs_diff": err}
             print(f"{rows:4d} rows, attention, {name:18s}: {ms:.4f} ms for 20 layers (max diff {err:.2e})",
                   flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
     return res
 
 

@@ -14,24 +14,22 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import statistics
-from pathlib import Path
 
 import torch
 
-from bench.serve_gpu import copy_bandwidth, d_model
+from bench.serve_gpu import copy_bandwidth, d_model, save
 from model import engine as engine_mod
 from model import gpt
 from model.engine import Engine, EngineConfig, TOP_K, TEMPERATURE, TOP_P, UNIFORM
 
 
-def replay_ms(graph, lengths: torch.Tensor, start: int, reps: int = 5, n: int = 50) -> float:
-    """Median time of one replay: `n` replays back to back, `reps` times, each from `start` cached tokens
-    (a replay advances every row's length by one)."""
+def replay_ms(graph, reps: int = 5, n: int = 50, before=None) -> float:
+    """Median time of one replay: `n` replays back to back, `reps` times, each after `before()`."""
     times = []
     for _ in range(reps):
-        lengths.fill_(start)
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(n):
@@ -122,7 +120,7 @@ def main(argv=None) -> dict:
                 engine = Engine(model, EngineConfig(max_batch=max(rows_list)))
                 if change is not None:
                     change(engine)
-                s = engine.graphs.settings
+                s, lengths = engine.graphs.settings, engine.cache.lengths
                 s[:, TEMPERATURE], s[:, TOP_K], s[:, TOP_P], s[:, UNIFORM] = 1.0, 50, 1.0, 0.5
                 for rows in rows_list:
                     try:
@@ -130,11 +128,11 @@ def main(argv=None) -> dict:
                     except Exception as e:  # a candidate that does not compile or capture: say so, go on
                         print(f"{rows:4d} rows, {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
-                    ms = replay_ms(graph, engine.cache.lengths, start)
+                    ms = replay_ms(graph, before=lambda: lengths.fill_(start))  # a replay adds one token a row
                     r = res["rows"].setdefault(str(rows), {})
                     r[name] = {"ms": round(ms, 4)}
                     if name == "step":
-                        r["kernels"] = kernels(graph, engine.cache.lengths, start)
+                        r["kernels"] = kernels(graph, lengths, start)
                         r[name]["kernels_per_step"] = sum(k["count"] for k in r["kernels"])
                         r[name]["kernel_us_sum"] = round(sum(k["us"] for k in r["kernels"]), 1)
                     print(f"{rows:4d} rows, {name:14s}: {ms:.4f} ms a replay "
@@ -151,9 +149,7 @@ def main(argv=None) -> dict:
               f"{r['step']['kernel_us_sum']:.0f} us of kernel time", flush=True)
         for k in r["kernels"][:25]:
             print(f"  {k['us']:8.2f} us  x{k['count']:5.1f}  {k['kernel']}", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
     return res
 
 
