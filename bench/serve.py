@@ -107,19 +107,27 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     return usage["completion_tokens"] if usage else 0
 
 
+@contextlib.asynccontextmanager
+async def stream_clients(n: int):
+    """One HTTP client (one kept-alive connection) per stream. A client shared by many streams scans its
+    whole connection pool for every request and every response event: at 128 streams that client, not
+    the server, set the rate (bench/results/README.md, "the benchmark's client")."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(httpx.AsyncClient(timeout=600)) for _ in range(n)]
+
+
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:
     """Each of `streams` workers sends request after request until `seconds` have passed; returns
     (completion tokens, requests, seconds until the last one finished)."""
     url = base + "/v1/chat/completions"
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await one_stream(client, url, 999, 4)  # warm-up
+    async with stream_clients(streams) as clients:
+        await one_stream(clients[0], url, 999, 4)  # warm-up
         t = time.perf_counter()
 
         async def worker(w: int) -> list[int]:
             counts = []
             while time.perf_counter() - t < seconds:
-                counts.append(await one_stream(client, url, w * 10_000 + len(counts), max_tokens))
+                counts.append(await one_stream(clients[w], url, w * 10_000 + len(counts), max_tokens))
             return counts
 
         counts = [c for per in await asyncio.gather(*(worker(w) for w in range(streams))) for c in per]

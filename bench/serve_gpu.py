@@ -96,8 +96,10 @@ def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> d
         for n in levels:
             prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
             run_streams(engine, prompts, new)  # warm-up: captures this level's graphs
+            steps, cpu = engine.steps, engine.cpu_seconds
             r = run_streams(engine, prompts, new)
             r["ms_per_step"] = 1000 * r["seconds"] / new
+            r.update(host_share(r["tokens"], engine.steps - steps, engine.cpu_seconds - cpu, r["seconds"]))
             out[n] = r
         long = torch.randint(0, vocab, (1, 512), generator=g).tolist()
         ttft = [run_streams(engine, long, 1)["ttft_ms_median"] for _ in range(5)]
@@ -140,6 +142,19 @@ def greedy_agreement(model, prompts: list[list[int]], new: int = 32) -> dict:
                                  for i, w in enumerate(want)]}
 
 
+def host_share(tokens: int, steps: int, engine_cpu_s: float, seconds: float) -> dict:
+    """Tokens per decode step (the mean batch) and the share of the time the engine's scheduler thread
+    was on a CPU (near 1: the host, not the device, sets the pace)."""
+    return {"tokens_per_step": round(tokens / max(steps, 1), 1), "engine_cpu_share": round(engine_cpu_s / seconds, 3)}
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The server's Prometheus metrics, name -> value (unlabelled ones)."""
+    import httpx
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
 def thread_cpu_s(pid: int, tid: int) -> float:
     """CPU seconds a thread of another process has used (Linux /proc), waits for the GIL excluded."""
     fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -151,9 +166,7 @@ def http_levels(model_dir: Path, levels, new: int, device: str, min_seconds: flo
     nothing to a request's path) and the OpenAI streaming API, rounds of all streams at once for at
     least `min_seconds` a level. Also the CPU time the server's event
     loop thread (its main thread: HTTP, SSE, detokenizing) spends per generated token."""
-    import httpx
-
-    from bench.serve import one_stream, running_server
+    from bench.serve import one_stream, running_server, stream_clients
     # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
     launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
               "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
@@ -162,15 +175,17 @@ def http_levels(model_dir: Path, levels, new: int, device: str, min_seconds: flo
     with running_server(["-c", launch, str(model_dir), str(max(levels)), device], timeout=300) as (base, pid):
         async def level(n: int) -> dict:
             url = base + "/v1/chat/completions"
-            limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n)))  # warm-up
-                cpu, t, tokens = thread_cpu_s(pid, pid), time.perf_counter(), 0
+            async with stream_clients(n) as clients:
+                await asyncio.gather(*(one_stream(c, url, i, new) for i, c in enumerate(clients)))  # warm-up
+                before, cpu, t, tokens = scrape(base), thread_cpu_s(pid, pid), time.perf_counter(), 0
                 while not tokens or time.perf_counter() - t < min_seconds:  # rounds of n streams at once
-                    tokens += sum(await asyncio.gather(*(one_stream(client, url, i, new) for i in range(n))))
-                secs, cpu = time.perf_counter() - t, thread_cpu_s(pid, pid) - cpu
+                    tokens += sum(await asyncio.gather(*(one_stream(c, url, i, new) for i, c in enumerate(clients))))
+                secs, cpu, after = time.perf_counter() - t, thread_cpu_s(pid, pid) - cpu, scrape(base)
+            steps, engine_cpu = (after[k] - before[k]
+                                 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds"))
             return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-                    "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1)}
+                    "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1),
+                    **host_share(tokens, int(steps), engine_cpu, secs)}
 
         for n in levels:
             out[n] = asyncio.run(level(n))
@@ -246,7 +261,8 @@ def main(argv=None) -> dict:
                 of_bound = f", {x['of_bound']:.1%} of the weight-read bound"
             print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
                   f"TTFT {x['ttft_ms_median']:7.1f} ms, TPOT {x['tpot_ms_median']:.3f} ms "
-                  f"({n * 1000 / x['tpot_ms_median']:.0f} tok/s after the first){of_bound}", flush=True)
+                  f"({n * 1000 / x['tpot_ms_median']:.0f} tok/s after the first){of_bound}; "
+                  f"{x['tokens_per_step']} tokens a step, scheduler on a CPU {x['engine_cpu_share']:.0%}", flush=True)
         print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
         save(res, args.out)
     if args.http:
@@ -264,7 +280,9 @@ def main(argv=None) -> dict:
             e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
             r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)
             print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine "
-                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token", flush=True)
+                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token; "
+                  f"{r[n]['tokens_per_step']} tokens a step, scheduler on a CPU {r[n]['engine_cpu_share']:.0%}",
+                  flush=True)
     save(res, args.out)
     return res
 

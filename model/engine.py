@@ -337,6 +337,7 @@ class Engine:
         self._running = False
         self.steps = 0  # decode steps run (for tests and metrics)
         self.steps_ahead = 0  # of which launched before the previous one's ids were read back
+        self.cpu_seconds = 0.0  # CPU time of the scheduler thread (metrics: is the host keeping up?)
         self.stop_ids = set(config.stop_ids)
 
     # ---- public API (any thread) ----
@@ -447,6 +448,7 @@ class Engine:
                     self.active.clear()
                     self._inflight = None
                     self.lens = [0] * self.config.max_batch
+                self.cpu_seconds = time.thread_time()
 
     def _admit(self) -> None:
         """Move waiting requests into free rows n.. and prefill them together in one forward (a long

@@ -17,11 +17,18 @@ class Metrics:
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.queue_depth = Gauge("sparkchat_queue_depth", "Requests waiting for a batch row", registry=r)
         self.active = Gauge("sparkchat_active_sequences", "Sequences in the running batch", registry=r)
+        # totals read from the engine when scraped (a Counter cannot be read from a function)
+        self.steps = Gauge("sparkchat_decode_steps", "Decode steps run since start (a total: completion "
+                           "tokens per step is the mean batch)", registry=r)
+        self.engine_cpu = Gauge("sparkchat_engine_cpu_seconds", "CPU time of the engine's scheduler thread "
+                                "since start (near wall time: the host, not the device, sets the pace)", registry=r)
         self.loaded = Gauge("sparkchat_model_loaded", "1 once the model is loaded", registry=r)
 
     def watch_engine(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.queue_depth)
         self.active.set_function(lambda: engine.num_active)
+        self.steps.set_function(lambda: engine.steps)
+        self.engine_cpu.set_function(lambda: engine.cpu_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

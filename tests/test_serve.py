@@ -366,6 +366,8 @@ def test_metrics(server, client):
                  "sparkchat_queue_depth", "sparkchat_active_sequences"):
         assert name in text, name
     assert 'sparkchat_requests_total{status="400"}' in text
+    value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert value["sparkchat_decode_steps"] >= 2 and value["sparkchat_engine_cpu_seconds"] > 0
 
 
 # ---- the command line ----
