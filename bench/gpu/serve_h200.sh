@@ -1,13 +1,12 @@
 #!/bin/bash
 # H200: the GPU decode path. The GPU engine tests, then bench/serve_gpu.py at 1, 16, 64 and 128 streams
-# (engine alone and through the HTTP API), d20 shape, bf16, random weights, then bench/decode_step.py
-# (one decode step's time, part by part, and its kernels).
+# (engine alone and through the HTTP API), d20 shape, bf16, random weights. (One decode step part by
+# part: bench/gpu/decode_h200.sh.)
 # Device call: carry [".whl"] (bench/gpu/h200_wheels.txt), command `bash bench/gpu/serve_h200.sh`.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 quiet() { grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^softmax\.$\|^$"; }
-python3 -m pytest -q -x tests/test_engine_gpu.py 2>&1 | tail -3 | tee "$OUT/engine_gpu_tests.log"
+python3 -m pytest -q -x -p no:warnings tests/test_engine_gpu.py 2>&1 | tail -3 | tee "$OUT/engine_gpu_tests.log"
 python3 -m bench.serve_gpu --http --out "$OUT/serve_gpu.json" "$@" 2>&1 | quiet | tee "$OUT/serve_gpu.log"
-python3 -m bench.decode_step --rows 1,16,128 --out "$OUT/decode_step.json" 2>&1 | quiet | tee "$OUT/decode_step.log"
