@@ -72,7 +72,7 @@ def test_chat_page_streams_a_reply(ui_server):
                 if text.strip() and (not lengths or len(text) != lengths[-1]):
                     lengths.append(len(text))
                 stop_seen = stop_seen or stop.is_visible()
-                if len(lengths) >= 3 and not stop.is_visible():
+                if len(lengths) >= 2 and not stop.is_visible():
                     break
                 time.sleep(0.05)
             page.wait_for_timeout(500)
@@ -104,7 +104,9 @@ def test_chat_page_streams_a_reply(ui_server):
         finally:
             browser.close()
     assert final.strip(), "no reply appeared"
-    assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
+    # two lengths: a partial reply was on the page before the whole one (a reply of a few tokens, which
+    # the unseeded sampling sometimes gives, streams in fewer polls than a long one: CI saw [15, 17])
+    assert len(lengths) >= 2, f"the reply did not stream (lengths seen: {lengths})"
     # the visible text grows; it may shrink by a few characters where the sampled text closes a
     # markdown pair (`*a*` renders as an italic "a"), but never restarts or loses what was shown
     assert lengths[-1] > lengths[0] and all(b >= a - 4 for a, b in zip(lengths, lengths[1:])), lengths
