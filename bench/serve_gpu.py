@@ -10,8 +10,8 @@ at idle, and the engine with CUDA graphs off (the eager path) as the reference.
     python -m bench.serve_gpu [--depth 20] [--levels 1,16,64,128] [--http] [--out bench/results/x.json]
 
 On a CPU (`--device cpu`, fp32, no bound, no graphs), a small model (`--depth 2 --vocab 2048`) makes
-the engine fast enough that the server's own per-token work decides the HTTP rate: the overhead the
-GPU run shows above 16 streams, measured where it can be profiled.
+the engine fast enough that the server's own per-token work weighs on the HTTP rate, measured where it
+can be profiled.
 """
 from __future__ import annotations
 
@@ -151,8 +151,10 @@ def host_share(tokens: int, steps: int, engine_cpu_s: float, seconds: float) -> 
 def scrape(base: str) -> dict[str, float]:
     """The server's Prometheus metrics, name -> value (unlabelled ones)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(base + "/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:

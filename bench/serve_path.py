@@ -16,8 +16,8 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
 
+from bench.serve_gpu import save
 from serve.runtime import loop_handoff
 from serve.schemas import ChatCompletionChunk, ChunkChoice, Delta
 from serve.serving import sse
@@ -93,9 +93,7 @@ def main(argv=None) -> dict:
           f"loop {p['loop_us_per_event']:.2f} -> {b['loop_us_per_event']:.2f} ({res['handoff_loop_us_per_event_ratio']}x less)")
     print(f"sse chunk: {res['sse_us_dump_then_json']:.2f} -> {res['sse_us_model_dump_json']:.2f} us CPU "
           f"({res['sse_ratio']}x less)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save(res, args.out)
     return res
 
 

@@ -82,11 +82,11 @@ def test_chat_page_streams_a_reply(ui_server):
                 return bot, lengths, stop_seen
 
             # the tiny random model sometimes answers in a few tokens, partly held back until they make
-            # whole characters, which the page can show at one length only (CI saw [19]): up to three
-            # replies, for one long enough to be seen growing
+            # whole characters, which the page can show at one or two lengths only (CI saw [15, 17] and
+            # [19]): up to three replies, for one long enough to be seen growing
             for _ in range(3):
                 bot, lengths, stop_seen = reply("Hello! How are you today?")
-                if len(lengths) >= 2:
+                if len(lengths) >= 3:
                     break
                 page.get_by_label("Clear").first.click()
             page.wait_for_timeout(500)
@@ -118,8 +118,7 @@ def test_chat_page_streams_a_reply(ui_server):
         finally:
             browser.close()
     assert final.strip(), "no reply appeared"
-    # two lengths: a partial reply was on the page before the whole one
-    assert len(lengths) >= 2, f"the reply did not stream (lengths seen: {lengths})"
+    assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
     # the visible text grows; it may shrink by a few characters where the sampled text closes a
     # markdown pair (`*a*` renders as an italic "a"), but never restarts or loses what was shown
     assert lengths[-1] > lengths[0] and all(b >= a - 4 for a, b in zip(lengths, lengths[1:])), lengths
