@@ -21,7 +21,7 @@ import torch
 from bench.serve_gpu import copy_bandwidth, d_model, save
 from model import engine as engine_mod
 from model import gpt
-from model.engine import Engine, EngineConfig, TOP_K, TEMPERATURE, TOP_P, UNIFORM
+from model.engine import RANKED_K, Engine, EngineConfig, TOP_K, TEMPERATURE, TOP_P, UNIFORM
 
 
 def replay_ms(graph, reps: int = 5, n: int = 50, before=None) -> float:
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
                 s[:, TEMPERATURE], s[:, TOP_K], s[:, TOP_P], s[:, UNIFORM] = 1.0, 50, 1.0, 0.5
                 for rows in rows_list:
                     try:
-                        graph = engine.graphs._capture(rows, args.slots, engine.graphs.TOP_K, False)[0]
+                        graph = engine.graphs._capture(rows, args.slots, RANKED_K, False)[0]
                     except Exception as e:  # a candidate that does not compile or capture: say so, go on
                         print(f"{rows:4d} rows, {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue

@@ -239,9 +239,12 @@ def main(argv=None) -> dict:
         print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
               f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
         t = time.perf_counter()
-        Engine(model, EngineConfig(max_batch=max(levels))).start().shutdown()
+        engine = Engine(model, EngineConfig(max_batch=max(levels))).start()
+        engine.shutdown()
         res["warmup_s"] = round(time.perf_counter() - t, 1)
-        print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s", flush=True)
+        res["sampler_eager_for_k_max"] = sorted(engine.graphs.eager_k)  # compile failed for these (warned)
+        print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s; "
+              f"sampler uncompiled for k_max {res['sampler_eager_for_k_max'] or 'none'}", flush=True)
         g = torch.Generator().manual_seed(7)
         prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(4, 600, (10,), generator=g)]

@@ -43,10 +43,12 @@ import collections
 import itertools
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch._inductor.exc  # noqa: F401  (InductorError, caught around the compiled sampler)
 
 from .gpt import KVCache
 
@@ -165,21 +167,33 @@ Sink = Callable[[object], None]  # receives Token and finally one Finished
 Tool = Callable[[list[int]], Sequence[int]]
 
 
+# the most logits `sample` ranks by counting (k_max**2 comparisons a row); a larger k_max sorts them all.
+# Decode graphs for rows whose top_k are all within it sample from this many (`DecodeGraphs`)
+RANKED_K = 256
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            uniform: torch.Tensor, k_max: int = 0) -> torch.Tensor:
     """Batched sampling with per-row settings. logits (B, V); the rest (B,). Returns ids (B,).
 
     Rows with temperature 0 take the argmax. Others sort once, cut to top-k and top-p, and pick the
     token where the cumulative probability first exceeds `uniform` (inverse CDF). `k_max` > 0 promises
-    that every row's top_k is in 1..k_max or its temperature is 0 (`top_k_bound`): then only the k_max
-    largest logits are sorted.
+    that every row's top_k is in 1..k_max or its temperature is 0 (`top_k_bound`): then, up to
+    RANKED_K, only the k_max largest logits are put in order.
     """
     logits = logits.float()
     scaled = logits / temperature.clamp(min=1e-5)[:, None]  # a greedy row's order is its logits' order
-    if 0 < k_max < logits.shape[-1]:
-        vals, idx = scaled.topk(k_max, dim=-1)  # sorted, largest first
-    else:
-        vals, idx = scaled.sort(dim=-1, descending=True)
+    if 0 < k_max <= RANKED_K and k_max < logits.shape[-1]:
+        vals, idx = scaled.topk(k_max, dim=-1, sorted=False)
+        # put them in order: larger first, equal ones (common in bf16) by id, lowest first, as argmax
+        # does; torch.topk promises no order for ties, so equal logits could trade places between
+        # runs. Each one's place is counted (k_max**2 comparisons, fused by torch.compile) instead of
+        # sorted: CUDA's sort of 256 values took 16-25 us at one row (bench/decode_kernels.py)
+        v, i = vals[:, None, :], idx[:, None, :]
+        place = ((v > vals[:, :, None]) | ((v == vals[:, :, None]) & (i < idx[:, :, None]))).sum(-1)
+        vals, idx = torch.empty_like(vals).scatter_(-1, place, vals), torch.empty_like(idx).scatter_(-1, place, idx)
+    else:  # stable: equal logits by id here too
+        vals, idx = scaled.sort(dim=-1, descending=True, stable=True)
     greedy = idx[:, 0]  # the argmax, from the sort already made (a separate argmax costs a pass over V)
     V = vals.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
@@ -727,7 +741,7 @@ class _Step:
 
 class DecodeGraphs:
     """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
-    slots to a power of two of at least 64, and whether every row's top_k is within TOP_K, so that only
+    slots to a power of two of at least 64, and whether every row's top_k is within RANKED_K, so that only
     that many logits are sorted, or whether a row asks for extras: then `extras_step`, sorting all),
     all captured when the engine starts.
 
@@ -753,6 +767,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
         self.sample = sample
+        self.eager_k: set[int] = set()  # k_max values whose sampler compile failed: eager for them
         if compile_blocks:
             # block by block (one compile serves all twenty): the whole forward as one compile fuses a
             # little more but took minutes to compile for every bucket (bench/results/h200-decode-2026-12-04)
@@ -772,9 +787,6 @@ class DecodeGraphs:
         """Every value `_bucket` can give for n in 1..limit."""
         return sorted({cls._bucket(n, floor, limit) for n in (1 << k for k in range(limit.bit_length() + 1))})
 
-    # a step whose rows all keep at most this many tokens (top_k) sorts only these: a graph of its own
-    TOP_K = 256
-
     def step(self, ids: "list[int] | torch.Tensor", settings: list[list[float]], kv_len: int,
              extras: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the step's graph; returns the sampled ids and, with extras, their `logprob_info` (on
@@ -783,7 +795,7 @@ class DecodeGraphs:
         n = len(settings)
         rows = self._bucket(n, 1, e.config.max_batch)
         slots = self._bucket(kv_len, 64, e.max_len)
-        k_max = self.TOP_K if not extras and 0 < top_k_bound(settings) <= self.TOP_K else 0
+        k_max = RANKED_K if not extras and 0 < top_k_bound(settings) <= RANKED_K else 0
         host = self.hosts[self.turn]
         self.turn ^= 1
         if torch.is_tensor(ids):  # the previous step's sampled ids, still on the device
@@ -815,9 +827,23 @@ class DecodeGraphs:
         e.cache.lengths.zero_()
         for rows in self._buckets(1, e.config.max_batch):
             for slots in self._buckets(64, e.max_len):
-                for key in ((rows, slots, self.TOP_K, False), (rows, slots, 0, False), (rows, slots, 0, True)):
+                for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True)):
                     if key not in self.graphs:
                         self.graphs[key] = self._capture(*key)
+
+    def _sample(self, logits, temperature, top_k, top_p, uniform, k_max: int):
+        """The compiled sampler, or the eager one for a k_max whose compile failed (with a warning:
+        slower steps rather than no server). On the H200, Inductor failed on the whole-vocabulary
+        sort's cumulative sum (a SplitScan codegen error) at some row counts of max_batch 16."""
+        args = (logits, temperature, top_k, top_p, uniform, k_max)
+        if self.sample is not sample and k_max not in self.eager_k:
+            try:
+                return self.sample(*args)
+            except torch._inductor.exc.InductorError as e:
+                warnings.warn(f"torch.compile failed on the sampler (k_max {k_max}), which runs uncompiled "
+                              f"for it: {str(e)[:300]}")
+                self.eager_k.add(k_max)
+        return sample(*args)
 
     def _capture(self, rows: int, slots: int, k_max: int, extras: bool):
         e = self.engine
@@ -830,7 +856,7 @@ class DecodeGraphs:
             logits = e.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
             if extras:
                 return extras_step(logits, s, e.counts[:rows], e.bias[:rows], self.ids[:rows, 0])
-            return self.sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
+            return self._sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
 
         def put_back():  # what the warm-up advanced: the cache lengths, and the counts it added to
             view.lengths.copy_(saved)

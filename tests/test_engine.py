@@ -90,6 +90,59 @@ def test_greedy_rows_share_the_top_k_sort_with_sampled_rows():
         assert int(got[2]) in logits[2].topk(50).indices.tolist()
 
 
+def test_top_k_sampling_orders_equal_logits_by_id(monkeypatch):
+    """Equal logits (common in bf16) are ranked by id, lowest first, whatever order topk returns them
+    in (CUDA's order of ties varies from run to run): the same picks under shuffled topk outputs, and
+    greedy rows take argmax's id."""
+    from model.engine import RANKED_K as k_max
+    g = torch.Generator().manual_seed(0)
+    rows, V = 64, 3000
+    logits = torch.randint(0, 200, (rows, V), generator=g).float() / 8  # each value about 15 times
+    temperature, top_p = torch.full((rows,), 1.0), torch.full((rows,), 0.9)
+    temperature[:8] = 0.0
+    # top_k well inside k_max: which members of a tie group that crosses the k_max-th place topk keeps
+    # is its own choice (a rank past every row's top_k)
+    top_k = torch.randint(1, k_max - 50, (rows,), generator=g)
+    uniform = torch.rand(rows, generator=g)
+    want = sample(logits, temperature, top_k, top_p, uniform, k_max)
+    assert torch.equal(want[:8], logits[:8].argmax(-1))
+    topk = torch.Tensor.topk
+
+    def shuffled(self, k, *args, **kwargs):
+        vals, idx = topk(self, k, *args, **kwargs)
+        perm = torch.randperm(k, generator=g)
+        return vals[:, perm], idx[:, perm]
+
+    monkeypatch.setattr(torch.Tensor, "topk", shuffled)
+    for _ in range(3):
+        assert torch.equal(sample(logits, temperature, top_k, top_p, uniform, k_max), want)
+
+
+def test_a_failed_sampler_compile_falls_back_to_eager_for_that_k_max():
+    """An Inductor error compiling the sampler for one k_max costs that k_max its compile (warned),
+    not the server; other k_max values keep the compiled sampler."""
+    import torch._inductor.exc
+
+    from model.engine import DecodeGraphs
+    calls = []
+
+    def compiled(*args):
+        calls.append(args[-1])
+        if args[-1] == 0:
+            raise torch._inductor.exc.InductorError(TypeError("codegen"), None)
+        return "compiled"
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sample, graphs.eager_k = compiled, set()
+    logits = torch.randn(2, 100)
+    args = (logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.tensor([0.3, 0.6]))
+    with pytest.warns(UserWarning, match="k_max 0"):
+        got = graphs._sample(*args, 0)
+    assert torch.equal(got, sample(*args, 0))
+    assert graphs._sample(*args, 0).tolist() == got.tolist() and calls == [0]  # not compiled again
+    assert graphs._sample(*args, 50) == "compiled" and calls == [0, 50]
+
+
 def test_sample_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     u = torch.linspace(0, 0.999, 1000)

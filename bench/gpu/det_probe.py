@@ -1,0 +1,51 @@
+"""Which part of the graph engine is not bitwise repeatable: the compiled prefill (600 tokens in two
+chunks), a compiled decode forward, or a graph replay (sampled ids for fixed inputs). Not run yet (the
+device time ran out); part of bench/gpu/determinism_h200.sh."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from test_engine_gpu import gpu_model_bf16, prompts  # noqa: E402
+
+from model.engine import Engine, EngineConfig  # noqa: E402
+
+
+def h(t):
+    return hash(t.float().cpu().numpy().tobytes())
+
+
+engine = Engine(gpu_model_bf16(), EngineConfig(max_batch=16)).start()
+engine.shutdown()
+m, cache = engine.model, engine.cache
+p = torch.tensor([prompts()[8]], device="cuda")
+view = cache.view(0, 1)
+with torch.inference_mode():
+    pre, kv = set(), set()
+    for _ in range(6):
+        view.lengths.zero_()
+        m(p[:, :512], kv_cache=view, kv_len=512)
+        logits = m(p[:, 512:], kv_cache=view, kv_len=600)
+        pre.add(h(logits)); kv.add(h(cache.k[3][0, :, :600]))
+    print(f"prefill: {len(pre)} distinct logits, {len(kv)} distinct layer-3 keys of 6 runs", flush=True)
+    saved = [t[0].clone() for t in cache.k + cache.v]
+    dec = set()
+    for _ in range(6):
+        for t, s in zip(cache.k + cache.v, saved):
+            t[0].copy_(s)
+        view.lengths.fill_(600)
+        dec.add(h(m(torch.tensor([[7]], device="cuda"), kv_cache=view, kv_len=1024)))
+    print(f"compiled decode forward at 1024 slots: {len(dec)} distinct logits of 6", flush=True)
+    g = engine.graphs
+    for kv_len in (601, 300):
+        ids = {}
+        for u in (0.1, 0.3, 0.5, 0.7, 0.9):
+            got = set()
+            for _ in range(6):
+                for t, s in zip(cache.k + cache.v, saved):
+                    t[0].copy_(s)
+                view.lengths.fill_(kv_len - 1)
+                out, _ = g.step([7], [[1.0, 50, 0.9, u, 0.0, 0.0, -1.0]], kv_len)
+                got.add(int(out[0]))
+            ids[u] = sorted(got)
+        print(f"graph replay at kv_len {kv_len}: ids per uniform (one each if repeatable): {ids}", flush=True)
