@@ -116,20 +116,9 @@ def sweep(rows: int, res: dict) -> None:
 
 def old_sample(logits, temperature, top_k, top_p, uniform, k_max):
     """The sampler as it was before ties were ordered by id: topk sorted by CUDA's own kernel."""
-    logits = logits.float()
-    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
     vals, idx = scaled.topk(k_max, dim=-1)
-    greedy = idx[:, 0]
-    V = vals.shape[-1]
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
-    vals = vals.masked_fill(rank >= k, float("-inf"))
-    probs = torch.softmax(vals, dim=-1)
-    cum = probs.cumsum(dim=-1)
-    probs = probs * ((cum - probs) < top_p[:, None])
-    cum = probs.cumsum(dim=-1)
-    choice = torch.searchsorted(cum, uniform[:, None] * cum[:, -1:]).clamp(max=V - 1).squeeze(-1)
-    return torch.where(temperature > 0, idx.gather(-1, choice[:, None]).squeeze(-1), greedy)
+    return engine.sample_sorted(vals, idx, temperature, top_k, top_p, uniform)
 
 
 def sampling(rows: int, res: dict) -> None:

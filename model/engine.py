@@ -194,9 +194,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         vals, idx = torch.empty_like(vals).scatter_(-1, place, vals), torch.empty_like(idx).scatter_(-1, place, idx)
     else:  # stable: equal logits by id here too
         vals, idx = scaled.sort(dim=-1, descending=True, stable=True)
+    return sample_sorted(vals, idx, temperature, top_k, top_p, uniform)
+
+
+def sample_sorted(vals: torch.Tensor, idx: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`sample` after its ordering: vals (B, K), scaled logits largest first, and their ids idx."""
     greedy = idx[:, 0]  # the argmax, from the sort already made (a separate argmax costs a pass over V)
     V = vals.shape[-1]
-    rank = torch.arange(V, device=logits.device)[None, :]
+    rank = torch.arange(V, device=vals.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
     vals = vals.masked_fill(rank >= k, float("-inf"))
     probs = torch.softmax(vals, dim=-1)
