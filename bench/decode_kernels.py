@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.decode_step import replay_ms
+from bench.gemv import MAX_ROWS, gemv
 from bench.serve_gpu import save
 from model import engine
-from bench.gemv import MAX_ROWS, gemv
 
 LAYERS, WIDTH, HEADS, HEAD_DIM, SLOTS = 20, 1280, 10, 128, 256
 
@@ -193,7 +193,7 @@ def weight_chains(rows: int, ws, res: dict, autotune: bool) -> None:
     x = torch.randn(rows, WIDTH, device="cuda", dtype=torch.bfloat16)
     cands = {"F.linear (cuBLASLt)": lambda: chain(x, ws), "F.linear (cuBLAS)": "cublas"}
     if rows <= MAX_ROWS:
-        cands["ours (model/gemv.py)"] = lambda: chain(x, ws, gemv)
+        cands["ours (bench/gemv.py)"] = lambda: chain(x, ws, gemv)
     if rows == 1:
         cands["torch.mv"] = lambda: chain(x, ws, lambda a, w: torch.mv(w, a[0])[None])
     side = torch.cuda.Stream()

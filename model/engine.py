@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch._inductor.exc  # noqa: F401  (InductorError, caught around the compiled sampler)
 
 from .gpt import KVCache
 
@@ -845,7 +844,11 @@ class DecodeGraphs:
         if self.sample is not sample and k_max not in self.eager_k:
             try:
                 return self.sample(*args)
-            except torch._inductor.exc.InductorError as e:
+            except Exception as e:
+                # imported here: torch._inductor costs about a second at import, and is loaded by now
+                from torch._inductor.exc import InductorError
+                if not isinstance(e, InductorError):
+                    raise
                 warnings.warn(f"torch.compile failed on the sampler (k_max {k_max}), which runs uncompiled "
                               f"for it: {str(e)[:300]}")
                 self.eager_k.add(k_max)

@@ -142,6 +142,13 @@ def test_a_failed_sampler_compile_falls_back_to_eager_for_that_k_max():
     assert graphs._sample(*args, 0).tolist() == got.tolist() and calls == [0]  # not compiled again
     assert graphs._sample(*args, 50) == "compiled" and calls == [0, 50]
 
+    def broken(*args):
+        raise ValueError("not a compile error")
+
+    graphs.sample = broken  # any other error is the caller's, not a reason to go eager
+    with pytest.raises(ValueError):
+        graphs._sample(*args, 50)
+
 
 def test_sample_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))

@@ -6,6 +6,6 @@
 # Device call: no carry needed, command `bash bench/gpu/decode_h200.sh` (about 5 minutes).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
-quiet() { grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^softmax\.$\|^$"; }
+. bench/gpu/quiet.sh
 python3 -m bench.decode_kernels --out "$OUT/decode_kernels.json" 2>&1 | quiet | tee "$OUT/decode_kernels.log"
 python3 -m bench.decode_step --rows 1,16,128 --out "$OUT/decode_step.json" 2>&1 | quiet | tee "$OUT/decode_step.log"

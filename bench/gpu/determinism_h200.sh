@@ -6,7 +6,7 @@
 # Device call: no carry needed, command `bash bench/gpu/determinism_h200.sh` (about 3 minutes).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
-quiet() { grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^softmax\.$\|^$"; }
+. bench/gpu/quiet.sh
 python3 bench/gpu/seeded_probe.py 2>&1 | quiet | tee "$OUT/seeded_probe.log"
 python3 bench/gpu/attn_det.py 2>&1 | quiet | tee "$OUT/attn_det.log"
 python3 bench/gpu/det_probe.py 2>&1 | quiet | tee "$OUT/det_probe.log"

@@ -7,6 +7,6 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
-quiet() { grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^softmax\.$\|^$"; }
+. bench/gpu/quiet.sh
 python3 -m pytest -q -x -p no:warnings tests/test_engine_gpu.py 2>&1 | tail -3 | tee "$OUT/engine_gpu_tests.log"
 python3 -m bench.serve_gpu --http --out "$OUT/serve_gpu.json" "$@" 2>&1 | quiet | tee "$OUT/serve_gpu.log"
