@@ -19,6 +19,9 @@ GPU. On CUDA a decode step is therefore a fixed sequence of kernels for a given 
 is replayed from a CUDA graph captured once per bucket: rows rounded up to a power of two, slots to a
 power of two (at least 64), so attention reads about as much of the cache as the longest row holds.
 The one device-to-host copy per step is the sampled ids, which the scheduler needs to stream them.
+A request admitted alone (the common case at idle) has its first chunk prefilled from a graph too, one
+per prompt-length bucket (`DecodeGraphs.prefill`): otherwise its first token waits on the host's launch
+work, several times the prefill's kernels.
 
 Sampling. Each request owns a `torch.Generator` (seeded => the same request gives the same ids) from
 which it draws its uniform numbers on the host, ahead of time in blocks; the batched sampler
@@ -496,7 +499,12 @@ class Engine:
         self._set_lens(start, [0] * len(new))
         for b, r in enumerate(new):
             self._reset_extras(start + b, r)
-        logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
+        if self.graphs is not None and self.graphs.can_prefill(new, chunks):
+            logits = self.graphs.prefill(chunks[0], start)  # (1, 1, V): the last position's logits only
+            lasts = [0]
+        else:
+            logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
+            lasts = [len(c) - 1 for c in chunks]
         self._set_lens(start, [len(c) for c in chunks])
         for b, (r, c) in enumerate(zip(new, chunks)):
             r.prefilled = len(c)
@@ -504,7 +512,7 @@ class Engine:
         self.active.extend(new)
         ready = [b for b, r in enumerate(new) if not r.prefilling and self._prompt_read(r)]
         if ready:
-            last = torch.tensor([len(chunks[b]) - 1 for b in ready], device=self.device)
+            last = torch.tensor([lasts[b] for b in ready], device=self.device)
             rows = torch.tensor(ready, device=self.device)
             self._advance([new[b] for b in ready], logits[rows, last], rows=rows + start)
 
@@ -745,7 +753,7 @@ class _Step:
 
 
 class DecodeGraphs:
-    """Decode steps replayed from CUDA graphs, one per bucket (rows rounded up to a power of two, cache
+    """Decode steps, and the prefill of one request's first chunk, replayed from CUDA graphs. Decode: one per bucket (rows rounded up to a power of two, cache
     slots to a power of two of at least 64, and whether every row's top_k is within RANKED_K, so that only
     that many logits are sorted, or whether a row asks for extras: then `extras_step`, sorting all),
     all captured when the engine starts.
@@ -757,7 +765,15 @@ class DecodeGraphs:
     a few fused kernels per layer rather than dozens of small ones. Rows past the active ones are free:
     their length is set to 0 before a replay, so what the graph writes there is harmless (a row is
     reset when a request takes it).
+
+    Prefill: a request admitted alone (the usual case at idle, where its first token's latency is the
+    prefill's host time: about 400 us a compiled block call on the H200, against 0.9 ms of kernels for
+    64 tokens, bench/results/h200-engine-2026-12-04c) and asking no prompt logprobs has its first chunk,
+    right-padded to a power of two (16..PREFILL_MAX), prefilled by one replay into a scratch cache
+    row, then copied into its own row; causal attention keeps the padding from touching the prompt.
     """
+
+    PREFILL_MAX = 512  # longest first chunk prefilled from a graph (a bucket's logits: T x vocab fp32)
 
     def __init__(self, engine: "Engine", compile_blocks: bool = True):
         self.engine = engine
@@ -766,13 +782,21 @@ class DecodeGraphs:
         self.settings = torch.zeros((n, N_SETTINGS), dtype=torch.float32, device=dev)
         # pinned, so each step's inputs go over asynchronously; two, taken in turn: a step launched
         # ahead fills one while the copy out of the other may still wait behind the running step
-        self.hosts = [torch.zeros((n, 1 + N_SETTINGS), dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.hosts = [torch.zeros((n, 1 + N_SETTINGS), dtype=torch.float32, pin_memory=dev.type == "cuda")
+                      for _ in range(2)]
         self.turn = 0
         # (rows, slots, k_max, extras) -> (graph, sampled ids, logprob_info or None)
         self.graphs: dict[tuple[int, int, int, bool], tuple] = {}
         self.pool = None
         self.sample = sample
         self.eager_k: set[int] = set()  # k_max values whose sampler compile failed: eager for them
+        self.prefill_max = min(engine.config.prefill_chunk, self.PREFILL_MAX, engine.max_len)
+        top = self._bucket(self.prefill_max, 16, self.PREFILL_MAX)
+        self.scratch = KVCache(engine.model.config, 1, top, dev, engine.cache.k[0].dtype)
+        self.prefill_ids = torch.zeros((1, top), dtype=torch.long, device=dev)
+        self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prefills: dict[int, tuple] = {}  # padded length -> (graph, last position's logits)
+        self.prefill_replays = 0
         if compile_blocks:
             # block by block (one compile serves all twenty): the whole forward as one compile fuses a
             # little more but took minutes to compile for every bucket (bench/results/h200-decode-2026-12-04)
@@ -822,6 +846,27 @@ class DecodeGraphs:
         graph.replay()
         return out[:n], None if info is None else info[:n]
 
+    def can_prefill(self, new: list[Request], chunks: list[list[int]]) -> bool:
+        """Whether this admission's prefill can be a graph replay: one request, a first chunk of at most
+        prefill_max ids, and no prompt logprobs (they need every position's logits)."""
+        return len(new) == 1 and new[0].prompt_lp is None and len(chunks[0]) <= self.prefill_max
+
+    def prefill(self, ids: list[int], row: int) -> torch.Tensor:
+        """Prefill `ids` (the first chunk of a prompt) into cache row `row` (its length is set by the
+        caller); returns the last position's logits (1, 1, V), valid until the next prefill."""
+        n = len(ids)
+        T = self._bucket(n, 16, self.PREFILL_MAX)
+        self.prefill_ids[0, :n] = torch.tensor(ids)
+        self.prefill_last.fill_(n - 1)
+        if T not in self.prefills:
+            self.prefills[T] = self._capture_prefill(T)
+        graph, logits = self.prefills[T]
+        graph.replay()
+        e, s = self.engine, self.scratch
+        torch._foreach_copy_([t[row:row + 1, :, :n] for t in e.cache.k + e.cache.v], [t[:, :, :n] for t in s.k + s.v])
+        self.prefill_replays += 1
+        return logits
+
     def warmup(self) -> None:
         """Compile the blocks for prefill shapes and capture every decode bucket now, so that no
         request waits for a compile or a capture."""
@@ -830,6 +875,9 @@ class DecodeGraphs:
             view = e.cache.view(0, b)
             e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
         e.cache.lengths.zero_()
+        for T in self._buckets(16, self._bucket(self.prefill_max, 16, self.PREFILL_MAX)):
+            if T not in self.prefills:
+                self.prefills[T] = self._capture_prefill(T)
         for rows in self._buckets(1, e.config.max_batch):
             for slots in self._buckets(64, e.max_len):
                 for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True)):
@@ -872,6 +920,22 @@ class DecodeGraphs:
             if extras:
                 e.counts[:rows].copy_(saved_counts)
 
+        graph, (out, info) = self._graph(step, put_back)
+        return graph, out, info
+
+    def _capture_prefill(self, T: int):
+        s = self.scratch
+
+        def step():
+            s.lengths.zero_()
+            logits = self.engine.model(self.prefill_ids[:, :T], kv_cache=s, kv_len=T)
+            return logits[0].index_select(0, self.prefill_last)[None]
+
+        return self._graph(step, s.lengths.zero_)
+
+    def _graph(self, step, put_back):
+        """A CUDA graph of `step()` (in the engines' one memory pool) and what it returns."""
+        e = self.engine
         # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture
         stream = torch.cuda.Stream(e.device)
         stream.wait_stream(torch.cuda.current_stream(e.device))
@@ -882,7 +946,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(e.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out, info = step()
+            out = step()
         self.pool = graph.pool()
         put_back()
-        return graph, out, info
+        return graph, out

@@ -380,6 +380,76 @@ def test_long_prompts_prefill_in_chunks_with_the_same_ids():
     assert [box[0], box[1]] == want
 
 
+def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
+    """DecodeGraphs' own logic (buckets of rows and slots, rows past the active ones, the first chunk
+    prefilled padded into the scratch row and copied to its row) with each "graph" replayed by running
+    its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
+    batched, greedy and seeded (a real GPT, fp32). The captured graphs themselves: tests/test_engine_gpu.py."""
+    from model.engine import DecodeGraphs
+    from model.gpt import GPT
+
+    class Replay:  # runs the step again and writes its results into the first run's tensors
+        def __init__(self, step, out):
+            self.step, self.out = step, out
+
+        def replay(self):
+            new = self.step()
+            for a, b in zip(*((self.out, new) if isinstance(new, tuple) else ((self.out,), (new,)))):
+                if a is not None:
+                    a.copy_(b)
+
+    def graph(self, step, put_back):
+        out = step()
+        put_back()
+        return Replay(step, out), out
+
+    monkeypatch.setattr(DecodeGraphs, "_graph", graph)
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, seq_len=128)
+    model = GPT(cfg)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_proj.weight.normal_(0, 0.1)
+            block.mlp.c_proj.weight.normal_(0, 0.1)
+        model.lm_head.weight.mul_(1000)
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 20, 40, 5)]  # 40 > the chunk
+    params = lambda i: SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=8, max_tokens=12, seed=i)  # noqa: E731
+
+    def run(engine, together):
+        box = {}
+
+        def one(i):
+            box[i] = engine.generate(prompts[i], params(i))[0]
+        if not together:
+            for i in range(len(prompts)):
+                one(i)
+            return [box[i] for i in range(len(prompts))]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return [box[i] for i in range(len(prompts))]
+
+    plain = Engine(model, EngineConfig(max_batch=4, prefill_chunk=32, run_ahead=False)).start()
+    try:
+        want = run(plain, together=False)
+    finally:
+        plain.shutdown()
+    engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=32, run_ahead=False))
+    engine.graphs = DecodeGraphs(engine, compile_blocks=False)
+    engine.start()
+    try:
+        alone, together = run(engine, together=False), run(engine, together=True)
+        assert engine.graphs.prefill_replays >= len(prompts) and engine.graphs.graphs
+    finally:
+        engine.shutdown()
+    assert alone == want
+    assert together == want
+
+
 def test_running_ahead_changes_no_token():
     """With `run_ahead` the next decode step starts from the last step's sampled ids before the host
     has read them (as on CUDA); every request still gets the ids of the plain path: stops, lengths,

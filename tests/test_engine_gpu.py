@@ -62,9 +62,14 @@ def test_graphs_give_the_eager_greedy_ids():
     try:
         got = generate_all(fast, prompts(), greedy)
         assert fast.graphs.graphs, "no CUDA graph was captured"
+        # one at a time: each first chunk (up to 256 ids) prefilled by a graph replay
+        replays = fast.graphs.prefill_replays
+        alone = [generate_all(fast, [p], greedy)[0] for p in prompts()]
+        assert fast.graphs.prefill_replays - replays == len(prompts())
     finally:
         fast.shutdown()
     assert got == want
+    assert alone == want
 
 
 def test_seeded_sampling_is_reproducible_under_graphs():
