@@ -753,10 +753,12 @@ class _Step:
 
 
 class DecodeGraphs:
-    """Decode steps, and the prefill of one request's first chunk, replayed from CUDA graphs. Decode: one per bucket (rows rounded up to a power of two, cache
-    slots to a power of two of at least 64, and whether every row's top_k is within RANKED_K, so that only
-    that many logits are sorted, or whether a row asks for extras: then `extras_step`, sorting all),
-    all captured when the engine starts.
+    """Decode steps, and the prefill of one request's first chunk, replayed from CUDA graphs.
+
+    Decode: one graph per bucket (rows rounded up to a power of two, cache slots to a power of two of at
+    least 64, and whether every row's top_k is within RANKED_K, so that only that many logits are
+    sorted, or whether a row asks for extras: then `extras_step`, sorting all), all captured when the
+    engine starts.
 
     A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
     one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
@@ -791,9 +793,9 @@ class DecodeGraphs:
         self.sample = sample
         self.eager_k: set[int] = set()  # k_max values whose sampler compile failed: eager for them
         self.prefill_max = min(engine.config.prefill_chunk, self.PREFILL_MAX, engine.max_len)
-        top = self._bucket(self.prefill_max, 16, self.PREFILL_MAX)
-        self.scratch = KVCache(engine.model.config, 1, top, dev, engine.cache.k[0].dtype)
-        self.prefill_ids = torch.zeros((1, top), dtype=torch.long, device=dev)
+        self.prefill_top = self._bucket(self.prefill_max, 16, self.PREFILL_MAX)  # the longest padded chunk
+        self.scratch = KVCache(engine.model.config, 1, self.prefill_top, dev, engine.cache.k[0].dtype)
+        self.prefill_ids = torch.zeros((1, self.prefill_top), dtype=torch.long, device=dev)
         self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefills: dict[int, tuple] = {}  # padded length -> (graph, last position's logits)
         self.prefill_replays = 0
@@ -855,7 +857,7 @@ class DecodeGraphs:
         """Prefill `ids` (the first chunk of a prompt) into cache row `row` (its length is set by the
         caller); returns the last position's logits (1, 1, V), valid until the next prefill."""
         n = len(ids)
-        T = self._bucket(n, 16, self.PREFILL_MAX)
+        T = self._bucket(n, 16, self.prefill_top)
         self.prefill_ids[0, :n] = torch.tensor(ids)
         self.prefill_last.fill_(n - 1)
         if T not in self.prefills:
@@ -868,14 +870,14 @@ class DecodeGraphs:
         return logits
 
     def warmup(self) -> None:
-        """Compile the blocks for prefill shapes and capture every decode bucket now, so that no
-        request waits for a compile or a capture."""
+        """Compile the blocks for prefill shapes and capture every prefill and decode bucket now, so
+        that no request waits for a compile or a capture."""
         e = self.engine
         for b in (1, 2):
             view = e.cache.view(0, b)
             e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
         e.cache.lengths.zero_()
-        for T in self._buckets(16, self._bucket(self.prefill_max, 16, self.PREFILL_MAX)):
+        for T in self._buckets(16, self.prefill_top):
             if T not in self.prefills:
                 self.prefills[T] = self._capture_prefill(T)
         for rows in self._buckets(1, e.config.max_batch):
@@ -934,7 +936,7 @@ class DecodeGraphs:
         return self._graph(step, s.lengths.zero_)
 
     def _graph(self, step, put_back):
-        """A CUDA graph of `step()` (in the engines' one memory pool) and what it returns."""
+        """A CUDA graph of `step()` (in the engine's one graph memory pool) and what it returns."""
         e = self.engine
         # warm up on a side stream (compiles; cuBLAS picks its kernels), then capture
         stream = torch.cuda.Stream(e.device)

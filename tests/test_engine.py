@@ -346,20 +346,25 @@ def test_utf8_pieces_are_whole(serve_tokenizer):
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p) > 5  # it did stream
 
-def test_long_prompts_prefill_in_chunks_with_the_same_ids():
-    """A prompt longer than `prefill_chunk` goes in over several scheduler steps while another request
-    decodes; the ids equal those of a whole-prompt prefill (a real GPT, fp32 on CPU)."""
+def small_gpt():
+    """A real GPT, fp32, small enough for a CPU, with output projections that are not zero and a
+    sharp head (large logit gaps: greedy ids do not hang on float rounding between paths)."""
     from model.gpt import GPT
-    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, seq_len=128)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, seq_len=128))
     model.init_weights(seed=0)
     with torch.no_grad():
         for block in model.blocks:
             block.attn.c_proj.weight.normal_(0, 0.1)
             block.mlp.c_proj.weight.normal_(0, 0.1)
         model.lm_head.weight.mul_(1000)
-    model.eval()
+    return model.eval()
+
+
+def test_long_prompts_prefill_in_chunks_with_the_same_ids():
+    """A prompt longer than `prefill_chunk` goes in over several scheduler steps while another request
+    decodes; the ids equal those of a whole-prompt prefill (a real GPT, fp32 on CPU)."""
+    model = small_gpt()
     g = torch.Generator().manual_seed(1)
     long, short = torch.randint(0, 64, (90,), generator=g).tolist(), [1, 2, 3]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
@@ -386,7 +391,6 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
     its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
     batched, greedy and seeded (a real GPT, fp32). The captured graphs themselves: tests/test_engine_gpu.py."""
     from model.engine import DecodeGraphs
-    from model.gpt import GPT
 
     class Replay:  # runs the step again and writes its results into the first run's tensors
         def __init__(self, step, out):
@@ -404,15 +408,7 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
         return Replay(step, out), out
 
     monkeypatch.setattr(DecodeGraphs, "_graph", graph)
-    cfg = GPTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, seq_len=128)
-    model = GPT(cfg)
-    model.init_weights(seed=0)
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.c_proj.weight.normal_(0, 0.1)
-            block.mlp.c_proj.weight.normal_(0, 0.1)
-        model.lm_head.weight.mul_(1000)
-    model.eval()
+    model = small_gpt()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 20, 40, 5)]  # 40 > the chunk
     params = lambda i: SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=8, max_tokens=12, seed=i)  # noqa: E731

@@ -39,22 +39,18 @@ with torch.inference_mode():
     print(f"compiled decode forward at 1024 slots: {len(dec)} distinct logits of 6", flush=True)
     # the same, but the slots past the 601 filled ones (masked) hold different stale values each time,
     # as after other requests: the graph path reads up to its slot bucket, the eager path only kv_len
-    dec = set()
-    for i in range(6):
-        for t, s in zip(cache.k + cache.v, saved):
-            t[0].copy_(s)
-            t[0, :, 601:].normal_(generator=torch.Generator("cuda").manual_seed(i))
-        view.lengths.fill_(600)
-        dec.add(h(m(torch.tensor([[7]], device="cuda"), kv_cache=view, kv_len=1024)))
-    print(f"compiled decode forward at 1024 slots, other stale values past the length: {len(dec)} distinct logits of 6", flush=True)
-    eager = set()
-    for i in range(6):
-        for t, s in zip(cache.k + cache.v, saved):
-            t[0].copy_(s)
-            t[0, :, 601:].normal_(generator=torch.Generator("cuda").manual_seed(i))
-        view.lengths.fill_(600)
-        eager.add(h(m(torch.tensor([[7]], device="cuda"), kv_cache=view, kv_len=601)))
-    print(f"decode forward at exactly 601 slots, other stale values past them: {len(eager)} distinct logits of 6", flush=True)
+    def stale_runs(kv_len):
+        """Logits of the step at 1024 / exactly 601 slots, other random values past slot 600 each time."""
+        out = set()
+        for i in range(6):
+            for t, s in zip(cache.k + cache.v, saved):
+                t[0].copy_(s)
+                t[0, :, 601:].normal_(generator=torch.Generator("cuda").manual_seed(i))
+            view.lengths.fill_(600)
+            out.add(h(m(torch.tensor([[7]], device="cuda"), kv_cache=view, kv_len=kv_len)))
+        return len(out)
+    print(f"compiled decode forward at 1024 slots, other stale values past the length: {stale_runs(1024)} distinct logits of 6", flush=True)
+    print(f"decode forward at exactly 601 slots, other stale values past them: {stale_runs(601)} distinct logits of 6", flush=True)
     g = engine.graphs
     for kv_len, stale in ((601, False), (300, False), (601, True), (300, True)):
         ids = {}
