@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp}
 python3 bench/gpu/seeded_locate.py 2>&1 | quiet | tee "$OUT/seeded_locate.log"
 CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/gpu/seeded_locate.py 2>&1 | quiet | tee -a "$OUT/seeded_locate.log"
 python3 bench/gpu/replay_stress.py 2>&1 | quiet | tee "$OUT/replay_stress.log"
-for a in "" --after-engine --deterministic "--backend cudnn" "--backend efficient" "--backend math"; do
+for a in "" --after-engine --deterministic "--backend cudnn" "--backend efficient" "--backend math" --ops; do
   python3 bench/gpu/op_locate.py $a 2>&1 | quiet | tee -a "$OUT/op_locate.log"
 done
 python3 bench/gpu/attn_steps.py 2>&1 | quiet | tee "$OUT/attn_steps.log"
