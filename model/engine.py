@@ -492,10 +492,6 @@ class Engine:
             return
         start = len(self.active)
         chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
-        longest = max(len(c) for c in chunks)
-        ids = torch.zeros((len(new), longest), dtype=torch.long)
-        for b, c in enumerate(chunks):
-            ids[b, :len(c)] = torch.tensor(c)
         self._set_lens(start, [0] * len(new))
         for b, r in enumerate(new):
             self._reset_extras(start + b, r)
@@ -503,6 +499,10 @@ class Engine:
             logits = self.graphs.prefill(chunks[0], start)  # (1, 1, V): the last position's logits only
             lasts = [0]
         else:
+            longest = max(len(c) for c in chunks)
+            ids = torch.zeros((len(new), longest), dtype=torch.long)
+            for b, c in enumerate(chunks):
+                ids[b, :len(c)] = torch.tensor(c)
             logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
             lasts = [len(c) - 1 for c in chunks]
         self._set_lens(start, [len(c) for c in chunks])
