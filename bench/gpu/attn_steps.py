@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "tests")
-from test_engine_gpu import gpu_model_bf16, prompts  # noqa: E402
+from test_engine_gpu import gpu_model_bf16  # noqa: E402
 
 from model.gpt import KVCache, apply_rope, norm  # noqa: E402
+from probe_state import fill  # noqa: E402
 
 N = 1000
 model = gpu_model_bf16()
@@ -25,11 +26,7 @@ def keep(mod, args):  # the attention's inputs at the step below
 
 model.blocks[3].attn.register_forward_pre_hook(keep)
 with torch.inference_mode():
-    x = torch.tensor([prompts()[8]], device="cuda")
-    model(x[:, :512], kv_cache=cache, kv_len=512)
-    model(x[:, 512:], kv_cache=cache, kv_len=600)
-    for p in range(600, 620):
-        model(torch.tensor([[p % 4096]], device="cuda"), kv_cache=cache, kv_len=p + 1)
+    fill(model, cache, 620)
     grab.clear()
     model(torch.tensor([[620]], device="cuda"), kv_cache=cache, kv_len=1024)
     xin, cos, sin, _, positions, kv_len = grab["args"]

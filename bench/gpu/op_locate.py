@@ -17,10 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, "tests")
-from test_engine_gpu import gpu_model_bf16, prompts  # noqa: E402
+from test_engine_gpu import gpu_model_bf16  # noqa: E402
 
 from model.engine import Engine, EngineConfig  # noqa: E402
 from model.gpt import KVCache  # noqa: E402
+from probe_state import fill  # noqa: E402
 
 N = 1000
 model = gpu_model_bf16()
@@ -66,11 +67,7 @@ if not ops:
 print(f"after engine: {'--after-engine' in sys.argv}, deterministic algorithms: {'--deterministic' in sys.argv}, "
       f"SDPA backend: {backend or 'default'}, recording {'operators' if ops else 'modules'}", flush=True)
 with torch.inference_mode():
-    x = torch.tensor([prompts()[8]], device="cuda")
-    model(x[:, :512], kv_cache=cache, kv_len=512)
-    model(x[:, 512:], kv_cache=cache, kv_len=600)
-    for p in range(600, 640):
-        model(torch.tensor([[p % 4096]], device="cuda"), kv_cache=cache, kv_len=p + 1)
+    fill(model, cache, 640)
     saved = [t.clone() for t in cache.k + cache.v]
     first, culprits, differ = {}, collections.Counter(), 0
     torch.cuda.synchronize()

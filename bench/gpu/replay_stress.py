@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "tests")
-from test_engine_gpu import gpu_model_bf16, prompts  # noqa: E402
+from test_engine_gpu import gpu_model_bf16  # noqa: E402
 
 from model.engine import Engine, EngineConfig  # noqa: E402
+from probe_state import fill  # noqa: E402
 
 N = 1000
 engine = Engine(gpu_model_bf16(), EngineConfig(max_batch=16)).start()
@@ -49,12 +50,7 @@ def count(name, fn, positions, stale=None):
 
 
 with torch.inference_mode():
-    x = torch.tensor([prompts()[8]], device="cuda")
-    view.lengths.zero_()
-    m(x[:, :512], kv_cache=view, kv_len=512)
-    m(x[:, 512:], kv_cache=view, kv_len=600)
-    for p in range(600, 640):  # fill 40 decode positions, as the test does
-        m(torch.tensor([[p % 4096]], device="cuda"), kv_cache=view, kv_len=p + 1)
+    fill(m, view, 640)  # 40 decode positions, as the test makes
     saved = [t[0].clone() for t in cache.k + cache.v]
     positions = list(range(600, 640, 2))
     one = lambda p: torch.tensor([[p % 4096]], device="cuda")  # noqa: E731
