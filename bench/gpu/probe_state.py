@@ -8,16 +8,15 @@ import torch
 sys.path.insert(0, "tests")
 from test_engine_gpu import prompts  # noqa: E402
 
-PROMPT = 600  # prompts()[8]'s length
+LONG = prompts()[8]  # the tests' longest prompt (600 ids), longer than the engine's 512-id chunk
 
 
 def fill(model, cache, upto: int, device="cuda") -> None:
-    """Prefill the 600-token prompt into `cache` (one row; its length is reset first), then decode
-    positions 600..upto-1, position p fed id p % 4096."""
-    x = torch.tensor([prompts()[8]], device=device)
-    assert x.shape[1] == PROMPT
+    """Prefill the long prompt into `cache` (one row; its length is reset first), then decode
+    positions len(LONG)..upto-1, position p fed id p % 4096."""
+    x = torch.tensor([LONG], device=device)
     cache.lengths.zero_()
     model(x[:, :512], kv_cache=cache, kv_len=512)
-    model(x[:, 512:], kv_cache=cache, kv_len=PROMPT)
-    for p in range(PROMPT, upto):
+    model(x[:, 512:], kv_cache=cache, kv_len=len(LONG))
+    for p in range(len(LONG), upto):
         model(torch.tensor([[p % 4096]], device=device), kv_cache=cache, kv_len=p + 1)
