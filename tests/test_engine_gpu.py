@@ -1,6 +1,7 @@
 """The GPU decode path (CUDA graphs per bucket, attention over the filled slots, sampling on the GPU):
-same greedy ids as the eager path, seeded sampling reproducible, long prompts prefilled in chunks; the
-extras graphs (penalties, logit_bias, logprobs) against the eager path, beside plain rows.
+same greedy ids as the eager path, seeded sampling reproducible (and the decode attention bit for bit
+repeatable in an engine's process), long prompts prefilled in chunks; the extras graphs (penalties,
+logit_bias, logprobs) against the eager path, beside plain rows.
 Skipped without a CUDA GPU (CI); run on one with `python -m pytest tests/test_engine_gpu.py`."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from model.engine import Engine, EngineConfig, SamplingParams
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig, KVCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,6 +44,19 @@ def prompts():
     g = torch.Generator().manual_seed(0)
     lengths = [5, 17, 64, 100, 3, 250, 33, 8, 600, 71]  # 600 > the chunk below: prefilled in parts
     return [torch.randint(0, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+def fill(model, cache, upto: int, device="cuda") -> None:
+    """The cache state where the seeded flake showed (bench/results/h200-determinism-2026-12-04b): the
+    longest prompt prefilled as the engine does it (its default chunk, then the rest), then decode
+    positions len(prompt)..upto-1, position p fed id p % 4096. One row; its length is reset first."""
+    long, chunk = prompts()[8], EngineConfig.prefill_chunk
+    x = torch.tensor([long], device=device)
+    cache.lengths.zero_()
+    model(x[:, :chunk], kv_cache=cache, kv_len=chunk)
+    model(x[:, chunk:], kv_cache=cache, kv_len=len(long))
+    for p in range(len(long), upto):
+        model(torch.tensor([[p % 4096]], device=device), kv_cache=cache, kv_len=p + 1)
 
 
 def generate_all(engine, ps, params_for):
@@ -88,6 +102,25 @@ def test_seeded_sampling_is_reproducible_under_graphs():
         engine.shutdown()
     assert a == b and c == d
     assert a != other_seed
+
+
+def test_decode_attention_repeats_bit_for_bit_in_an_engines_process():
+    """The seeded flake's cause: with cuDNN's SDPA kernel, this decode forward over 1,024 cache slots
+    gave other bits for the same cache and input in 488 of 599 repeats on the H200
+    (bench/results/h200-determinism-2026-12-04b); an engine keeps SDPA off that kernel."""
+    model = gpu_model_bf16()
+    Engine(model, EngineConfig(max_batch=1, cuda_graphs=False))  # its set-up chooses SDPA's kernels
+    cache = KVCache(model.config, 1, 1024, "cuda", torch.bfloat16)
+    with torch.inference_mode():
+        fill(model, cache, 640)
+        saved = [t.clone() for t in cache.k + cache.v]
+        outs = []
+        for _ in range(100):
+            for t, s in zip(cache.k + cache.v, saved):
+                t.copy_(s)
+            cache.lengths.fill_(602)  # the position where it parted
+            outs.append(model(torch.tensor([[602]], device="cuda"), kv_cache=cache, kv_len=1024))
+    assert sum(not torch.equal(o, outs[0]) for o in outs) == 0
 
 
 def extras_for(i):

@@ -1,6 +1,7 @@
 """Which operator of the eager decode forward gives different bits for equal inputs? The forward over
-1,024 cache slots runs again and again on one saved cache (probe_state.fill: decode positions 600-639,
-twenty in turn, or `--only P`), each repeat compared with the first at its position; with every
+1,024 cache slots runs again and again on one saved cache (`fill` of tests/test_engine_gpu.py; decode
+positions 600-639, twenty in turn, or `--only P`), each repeat compared with the first at its position;
+no engine is built (unless `--after-engine`), so SDPA may pick cuDNN's kernel. With every
 module's inputs and outputs kept, for each differing repeat the first module whose inputs were equal
 and outputs not. Results: bench/results/h200-determinism-2026-12-04b/ (cuDNN's SDPA kernel).
 
@@ -22,11 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, "tests")
-from test_engine_gpu import gpu_model_bf16  # noqa: E402
+from test_engine_gpu import fill, gpu_model_bf16  # noqa: E402
 
 from model.engine import Engine, EngineConfig  # noqa: E402
 from model.gpt import KVCache  # noqa: E402
-from probe_state import fill  # noqa: E402
 
 
 

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "tests")
-from test_engine_gpu import gpu_model_bf16  # noqa: E402
+from test_engine_gpu import fill, gpu_model_bf16  # noqa: E402
 
 from model.engine import Engine, EngineConfig  # noqa: E402
-from probe_state import fill  # noqa: E402
 
 N = 1000
 engine = Engine(gpu_model_bf16(), EngineConfig(max_batch=16)).start()
