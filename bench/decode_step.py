@@ -4,9 +4,9 @@ For a random model of the `h200` shape (bench/serve_gpu.py's `d_model`), capture
 decode step (`DecodeGraphs`) at a few batch sizes and times its replay with CUDA events, beside graphs
 of the same step with one part left out: the sampling (forward only) and the attention (a stand-in of
 the same shape that reads no cache), with the whole forward compiled as one instead of block by
-block, and with SDPA kept off cuDNN's kernel or given queries padded to 16 rows (the repeatability
-candidates of bench/results/h200-determinism-2026-12-04b). Differences give each part's time. Then lists the kernels of one replay
-(torch.profiler), and the weight-read bound of bench/serve_gpu.py.
+block, and with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
+repeatability: bench/results/h200-determinism-2026-12-04b). Differences give each part's time. Then
+lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
 """
@@ -63,30 +63,6 @@ def cacheless_attention(self, x, cos, sin, cache, positions, kv_len=0):
     return self.c_proj(q + k + v)
 
 
-@contextlib.contextmanager
-def without_cudnn_attention():
-    """SDPA may not pick cuDNN's kernel (it then takes the memory-efficient one for a masked call)."""
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was)
-
-
-def queries_padded_to_16(sdpa):
-    """SDPA with the queries padded with zero rows to a multiple of 16 (cuDNN's tile), mask rows true."""
-    def padded(q, k, v, attn_mask=None, **kw):
-        B, H, T, D = q.shape
-        rows = -(-T // 16) * 16
-        qp = q.new_zeros((B, H, rows, D))
-        qp[:, :, :T] = q
-        mask = attn_mask.new_ones((attn_mask.shape[0], 1, rows, k.shape[2]))
-        mask[:, :, :T] = attn_mask
-        return sdpa(qp, k, v, attn_mask=mask, **kw)[:, :, :T]
-    return padded
-
-
 def kernels(graph, lengths: torch.Tensor, start: int, n: int = 10) -> list[dict]:
     """The kernels of one replay (mean of n), longest first."""
     lengths.fill_(start)
@@ -128,21 +104,20 @@ def main(argv=None) -> dict:
     def whole_model(engine):  # one compile of the whole forward (the blocks' compiles inlined in it)
         engine.model.compile(dynamic=True)
 
-    # name -> (patches applied before the engine is built, a change to the built engine, a context
-    # the variant runs in)
-    F = torch.nn.functional
-    variants = {"step": ([], None, None),
-                "forward only": ([(engine_mod, "sample", no_sampling)], None, None),
-                "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None, None),
-                "whole model compiled": ([], whole_model, None),
-                "no cudnn attention": ([], None, without_cudnn_attention),
-                "queries padded to 16": ([(F, "scaled_dot_product_attention",
-                                           queries_padded_to_16(F.scaled_dot_product_attention))], None, None)}
+    def cudnn_attention(engine):  # what the engine turns off (for repeatability): SDPA may pick cuDNN again
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+    # name -> (patches applied before the engine is built, a change to the built engine)
+    variants = {"step": ([], None),
+                "forward only": ([(engine_mod, "sample", no_sampling)], None),
+                "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
+                "whole model compiled": ([], whole_model),
+                "cudnn attention": ([], cudnn_attention)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
-        for name, (patches, change, context) in variants.items():
+        for name, (patches, change) in variants.items():
             torch._dynamo.reset()
             for m in (model, *model.blocks):  # the compiles an earlier variant left on the model
                 m._compiled_call_impl = None
@@ -150,8 +125,6 @@ def main(argv=None) -> dict:
             with contextlib.ExitStack() as stack:
                 for obj, attr, value in patches:
                     stack.enter_context(patched(obj, attr, value))
-                if context is not None:
-                    stack.enter_context(context())
                 engine = Engine(model, EngineConfig(max_batch=max(rows_list)))
                 if change is not None:
                     change(engine)
