@@ -353,8 +353,8 @@ class Engine:
             # no cuDNN attention kernel in this process: on the H200 it gave other bits for the same
             # inputs (so seeded requests were not repeatable) and read past an odd-length mask; the
             # memory-efficient kernel SDPA picks instead did neither and timed the same in a decode
-            # step (bench/results/h200-determinism-2026-12-04b). A process-wide flag, not a context
-            # manager in the model: torch.compile reads it when the blocks compile
+            # step (bench/results/h200-determinism-2026-12-04b). A process-wide flag: a context manager
+            # around the model's attention, inside the compiled blocks, ran slower end to end (there)
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
         self.run_ahead = self.device.type == "cuda" if config.run_ahead is None else config.run_ahead

@@ -46,17 +46,17 @@ def prompts():
     return [torch.randint(0, 4096, (n,), generator=g).tolist() for n in lengths]
 
 
-def fill(model, cache, upto: int, device="cuda") -> None:
+def fill(model, cache, upto: int) -> None:
     """The cache state where the seeded flake showed (bench/results/h200-determinism-2026-12-04b): the
     longest prompt prefilled as the engine does it (its default chunk, then the rest), then decode
     positions len(prompt)..upto-1, position p fed id p % 4096. One row; its length is reset first."""
     long, chunk = prompts()[8], EngineConfig.prefill_chunk
-    x = torch.tensor([long], device=device)
+    x = torch.tensor([long], device="cuda")
     cache.lengths.zero_()
     model(x[:, :chunk], kv_cache=cache, kv_len=chunk)
     model(x[:, chunk:], kv_cache=cache, kv_len=len(long))
     for p in range(len(long), upto):
-        model(torch.tensor([[p % 4096]], device=device), kv_cache=cache, kv_len=p + 1)
+        model(torch.tensor([[p % 4096]], device="cuda"), kv_cache=cache, kv_len=p + 1)
 
 
 def generate_all(engine, ps, params_for):

@@ -29,7 +29,6 @@ from model.engine import Engine, EngineConfig  # noqa: E402
 from model.gpt import KVCache  # noqa: E402
 
 
-
 def arg(name: str, default=None):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
