@@ -4,8 +4,9 @@ For a random model of the `h200` shape (bench/serve_gpu.py's `d_model`), capture
 decode step (`DecodeGraphs`) at a few batch sizes and times its replay with CUDA events, beside graphs
 of the same step with one part left out: the sampling (forward only) and the attention (a stand-in of
 the same shape that reads no cache), with the whole forward compiled as one instead of block by
-block, and with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
-repeatability: bench/results/h200-determinism-2026-12-04b). Differences give each part's time. Then
+block, with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
+repeatability: bench/results/h200-determinism-2026-12-04b), and with each block norming its own input
+(the layout before `Block` took the norm from the block before). Differences give each part's time. Then
 lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
@@ -63,6 +64,21 @@ def cacheless_attention(self, x, cos, sin, cache, positions, kv_len=0):
     return self.c_proj(q + k + v)
 
 
+def norm_at_block_start(self, x, xn, cos, sin, cache=None, positions=None, kv_len=0):
+    """The block as it was before the norm moved to where x is made: it norms its input itself (the pair
+    it returns holds x twice; `head_norming` norms the last one)."""
+    x = x + self.attn(gpt.norm(x), cos, sin, cache, positions, kv_len)
+    x = x + self.mlp(gpt.norm(x))
+    return x, x
+
+
+def head_norming(self, x, targets=None, reduction="mean"):
+    return HEAD(self, gpt.norm(x), targets, reduction)
+
+
+HEAD = gpt.GPT.head
+
+
 def kernels(graph, lengths: torch.Tensor, start: int, n: int = 10) -> list[dict]:
     """The kernels of one replay (mean of n), longest first."""
     lengths.fill_(start)
@@ -112,7 +128,9 @@ def main(argv=None) -> dict:
                 "forward only": ([(engine_mod, "sample", no_sampling)], None),
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
-                "cudnn attention": ([], cudnn_attention)}
+                "cudnn attention": ([], cudnn_attention),
+                "norm at block start": ([(gpt.Block, "forward", norm_at_block_start),
+                                         (gpt.GPT, "head", head_norming)], None)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]

@@ -158,11 +158,15 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache: tuple | None = None, positions=None, kv_len: int = 0):
-        # cache: this layer's (keys, values) during generation; no layer index, so torch.compile
-        # sees every block as the same code (one compile, not one per layer)
-        x = x + self.attn(norm(x), cos, sin, cache, positions, kv_len)
-        return x + self.mlp(norm(x))
+    def forward(self, x, xn, cos, sin, cache: tuple | None = None, positions=None, kv_len: int = 0):
+        """x: the residual stream, xn: norm(x); returns the same pair for the next block. The norm is taken
+        where x is made, so a block compiled on its own (the engine, TE) fuses it with its last residual
+        add instead of starting the next block with a kernel of its own. cache: this layer's (keys,
+        values) during generation; no layer index, so torch.compile sees every block as the same code
+        (one compile, not one per layer)."""
+        x = x + self.attn(xn, cos, sin, cache, positions, kv_len)
+        x = x + self.mlp(norm(x))
+        return x, norm(x)
 
 
 class GPT(nn.Module):
@@ -232,17 +236,18 @@ class GPT(nn.Module):
                 raise ValueError("sequence is longer than the KV cache / context")
             cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
         x = norm(self.wte(idx))
+        xn = norm(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]), positions, kv_len)
+            x, xn = block(x, xn, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]),
+                          positions, kv_len)
         if kv_cache is not None:
             kv_cache.lengths += T
-        return self.head(x, targets, reduction)
+        return self.head(xn, targets, reduction)
 
-    def head(self, x, targets=None, reduction: str = "mean"):
-        """Final norm, output head, logit cap and (with targets) the loss. A method of its own so a
-        backend that compiles block by block can compile this part too."""
-        x = norm(x)
-        logits = self.lm_head(x).float()
+    def head(self, xn, targets=None, reduction: str = "mean"):
+        """Output head on the last block's normed stream, logit cap and (with targets) the loss. A method
+        of its own so a backend that compiles block by block can compile this part too."""
+        logits = self.lm_head(xn).float()
         cap = self.config.logit_softcap
         logits = cap * torch.tanh(logits / cap)
         if targets is None:
