@@ -5,8 +5,9 @@ decode step (`DecodeGraphs`) at a few batch sizes and times its replay with CUDA
 of the same step with one part left out: the sampling (forward only) and the attention (a stand-in of
 the same shape that reads no cache), with the whole forward compiled as one instead of block by
 block, with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
-repeatability: bench/results/h200-determinism-2026-12-04b), and with each block norming its own input
-(the layout before `Block` took the norm from the block before). Differences give each part's time. Then
+repeatability: bench/results/h200-determinism-2026-12-04b), and with each block making its input's
+norm and the cache mask itself (the layout before the model made them once, where their inputs are
+made). Differences give each part's time. Then
 lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
@@ -57,17 +58,17 @@ def no_sampling(logits, *args, **kwargs):
     return logits.argmax(dim=-1)
 
 
-def cacheless_attention(self, x, cos, sin, cache, positions, kv_len=0):
+def cacheless_attention(self, x, cos, sin, cache, positions, mask=None):
     """The attention layer with the same projections and no cache read or write: q stands in for y."""
     B, T, _ = x.shape
     q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
     return self.c_proj(q + k + v)
 
 
-def norm_at_block_start(self, x, xn, cos, sin, cache=None, positions=None, kv_len=0):
-    """The block as it was before the norm moved to where x is made: it norms its input itself (the pair
-    it returns holds x twice; `head_norming` norms the last one)."""
-    x = x + self.attn(gpt.norm(x), cos, sin, cache, positions, kv_len)
+def norm_at_block_start(self, x, xn, cos, sin, cache=None, positions=None, mask=None):
+    """The block as it was: it norms its input itself (the pair it returns holds x twice;
+    `head_norming` norms the last one)."""
+    x = x + self.attn(gpt.norm(x), cos, sin, cache, positions, mask)
     x = x + self.mlp(gpt.norm(x))
     return x, x
 
@@ -76,7 +77,14 @@ def head_norming(self, x, targets=None, reduction="mean"):
     return HEAD(self, gpt.norm(x), targets, reduction)
 
 
-HEAD = gpt.GPT.head
+def attention_own_mask(self, x, cos, sin, cache, positions, mask=None):
+    """The attention as it was: it makes the cache mask itself, in every layer."""
+    if mask is not None:
+        mask = (torch.arange(mask.shape[-1], device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+    return ATTENTION(self, x, cos, sin, cache, positions, mask)
+
+
+HEAD, ATTENTION = gpt.GPT.head, gpt.Attention.forward
 
 
 def kernels(graph, lengths: torch.Tensor, start: int, n: int = 10) -> list[dict]:
@@ -129,8 +137,9 @@ def main(argv=None) -> dict:
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
                 "cudnn attention": ([], cudnn_attention),
-                "norm at block start": ([(gpt.Block, "forward", norm_at_block_start),
-                                         (gpt.GPT, "head", head_norming)], None)}
+                "norm and mask in every block": ([(gpt.Block, "forward", norm_at_block_start),
+                                                  (gpt.GPT, "head", head_norming),
+                                                  (gpt.Attention, "forward", attention_own_mask)], None)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]

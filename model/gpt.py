@@ -112,7 +112,7 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.qkv_rows = config.qkv_rows
 
-    def forward(self, x, cos, sin, cache: tuple | None, positions, kv_len: int = 0):
+    def forward(self, x, cos, sin, cache: tuple | None, positions, mask=None):
         B, T, _ = x.shape
         q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
         # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only SDPA sees (B, H, T, D).
@@ -132,11 +132,10 @@ class Attention(nn.Module):
             # advanced indices around a slice put (B, T) first: assign (B, T, H, D)
             kc[rows, :, positions] = k.to(kc.dtype)
             vc[rows, :, positions] = v.to(vc.dtype)
-            # attend over the first kv_len slots only (the caller's bound on every row's length),
-            # each row masked to its own length
+            # attend over the mask's slots only (the caller's bound on every row's length)
+            kv_len = mask.shape[-1]
             keys, values = kc[:, :, :kv_len].to(q.dtype), vc[:, :, :kv_len].to(q.dtype)
-            mask = torch.arange(kv_len, device=x.device)[None, None, :] <= positions[:, :, None]
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], **gqa)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, **gqa)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -158,13 +157,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, xn, cos, sin, cache: tuple | None = None, positions=None, kv_len: int = 0):
+    def forward(self, x, xn, cos, sin, cache: tuple | None = None, positions=None, mask=None):
         """x: the residual stream, xn: norm(x); returns the same pair for the next block. The norm is taken
         where x is made, so a block compiled on its own (the engine, TE) fuses it with its last residual
         add instead of starting the next block with a kernel of its own. cache: this layer's (keys,
-        values) during generation; no layer index, so torch.compile sees every block as the same code
-        (one compile, not one per layer)."""
-        x = x + self.attn(xn, cos, sin, cache, positions, kv_len)
+        values) during generation, written at `positions`, read where `mask` (B, 1, T, slots) is true;
+        no layer index, so torch.compile sees every block as the same code (one compile, not one per
+        layer)."""
+        x = x + self.attn(xn, cos, sin, cache, positions, mask)
         x = x + self.mlp(norm(x))
         return x, norm(x)
 
@@ -227,7 +227,7 @@ class GPT(nn.Module):
             if T > self.rope_len:
                 raise ValueError(f"sequence of {T} tokens exceeds the model's RoPE table ({self.rope_len})")
             cos, sin = self.cos[None, :T, None], self.sin[None, :T, None]
-            positions = None
+            positions = mask = None
         else:
             positions = kv_cache.lengths[:, None] + torch.arange(T, device=idx.device)[None, :]
             if kv_len is None:
@@ -235,11 +235,14 @@ class GPT(nn.Module):
             if kv_len > min(kv_cache.max_len, self.rope_len):
                 raise ValueError("sequence is longer than the KV cache / context")
             cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+            # the slots each new token sees: its row's filled ones and itself. The same for every layer,
+            # so made once here rather than by a kernel in each block
+            mask = (torch.arange(kv_len, device=idx.device)[None, None, :] <= positions[:, :, None])[:, None]
         x = norm(self.wte(idx))
         xn = norm(x)
         for i, block in enumerate(self.blocks):
             x, xn = block(x, xn, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]),
-                          positions, kv_len)
+                          positions, mask)
         if kv_cache is not None:
             kv_cache.lengths += T
         return self.head(xn, targets, reduction)

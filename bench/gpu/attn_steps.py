@@ -28,7 +28,8 @@ with torch.inference_mode():
     fill(model, cache, 620)
     grab.clear()
     model(torch.tensor([[620]], device="cuda"), kv_cache=cache, kv_len=1024)
-    xin, cos, sin, _, positions, kv_len = grab["args"]
+    xin, cos, sin, _, positions, given_mask = grab["args"]
+    kv_len = given_mask.shape[-1]
     attn = model.blocks[3].attn
     kc0, vc0 = cache.k[3].clone(), cache.v[3].clone()
     kc, vc = cache.k[3], cache.v[3]
