@@ -7,7 +7,8 @@ the same shape that reads no cache), with the whole forward compiled as one inst
 block, with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
 repeatability: bench/results/h200-determinism-2026-12-04b), and with each block making its input's
 norm and the cache mask itself (the layout before the model made them once, where their inputs are
-made). Differences give each part's time. Then
+made; the model's own once-per-forward norm and mask still run there too, two kernels a step more than
+that layout had). Differences give each part's time. Then
 lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
@@ -129,7 +130,7 @@ def main(argv=None) -> dict:
         engine.model.compile(dynamic=True)
 
     def cudnn_attention(engine):  # what the engine turns off (for repeatability): SDPA may pick cuDNN again
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(True)  # (off again with the next variant's Engine)
 
     # name -> (patches applied before the engine is built, a change to the built engine)
     variants = {"step": ([], None),

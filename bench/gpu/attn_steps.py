@@ -1,8 +1,9 @@
-"""Which step inside the decode attention gives different bits for equal inputs? op_locate.py (run5,
-run6) found the attention module's output, between its q/k/v projection and its output projection,
-differing in 1-4% of repeats on every SDPA backend. Here layer 3's attention of one decode step is
-written out step by step (as model/gpt.py's Attention does it) on a saved input and cache, 1,000 times,
-comparing each intermediate with the first. Part of bench/gpu/determinism_h200.sh."""
+"""Which step inside the decode attention gives different bits for equal inputs? op_locate.py (run5)
+found the attention module's output, between its q/k/v projection and its output projection, differing
+in 1-4% of repeats. Here layer 3's attention of one decode step is written out step by step (as
+model/gpt.py's Attention does it) on a saved input and cache, 1,000 times, comparing each intermediate
+with the first (run7 of bench/results/h200-determinism-2026-12-04: all repeatable; the cause, cuDNN's
+SDPA kernel parting only in context, was found later: h200-determinism-2026-12-04b)."""
 import sys
 
 import torch
