@@ -333,7 +333,8 @@ class EngineConfig:
 
 
 class Engine:
-    """Continuous-batching generator over one model. `start()` runs the scheduler in a thread."""
+    """Continuous-batching generator over one model. `start()` runs the scheduler in a thread. On CUDA,
+    building one turns cuDNN's SDPA kernel off for the whole process (why: in `__init__`)."""
 
     def __init__(self, model, config: EngineConfig, tool: Tool | None = None):
         self.model = model
