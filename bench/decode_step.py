@@ -8,7 +8,8 @@ block, with SDPA allowed cuDNN's attention kernel again (which the engine turns 
 repeatability: bench/results/h200-determinism-2026-12-04b), and with each block making its input's
 norm and the cache mask itself (the layout before the model made them once, where their inputs are
 made; the model's own once-per-forward norm and mask still run there too, two kernels a step more than
-that layout had). Differences give each part's time. Then
+that layout had), and with the blocks' inputs (`GPT.inputs`: embedding, norms, RoPE gather, mask)
+compiled as well. Differences give each part's time. Then
 lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
@@ -129,6 +130,9 @@ def main(argv=None) -> dict:
     def whole_model(engine):  # one compile of the whole forward (the blocks' compiles inlined in it)
         engine.model.compile(dynamic=True)
 
+    def inputs_compiled(engine):  # the blocks' inputs (embedding, norms, RoPE gather, mask) compiled too
+        engine.model.inputs = torch.compile(engine.model.inputs, dynamic=True)
+
     def cudnn_attention(engine):  # what the engine turns off (for repeatability): SDPA may pick cuDNN again
         torch.backends.cuda.enable_cudnn_sdp(True)  # (off again with the next variant's Engine)
 
@@ -138,6 +142,7 @@ def main(argv=None) -> dict:
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
                 "cudnn attention": ([], cudnn_attention),
+                "inputs compiled": ([], inputs_compiled),
                 "norm and mask in every block": ([(gpt.Block, "forward", norm_at_block_start),
                                                   (gpt.GPT, "head", head_norming),
                                                   (gpt.Attention, "forward", attention_own_mask)], None)}
@@ -150,6 +155,7 @@ def main(argv=None) -> dict:
             for m in (model, *model.blocks):  # the compiles an earlier variant left on the model
                 m._compiled_call_impl = None
             model.__dict__.pop("head", None)
+            model.__dict__.pop("inputs", None)
             with contextlib.ExitStack() as stack:
                 for obj, attr, value in patches:
                     stack.enter_context(patched(obj, attr, value))

@@ -222,7 +222,19 @@ class GPT(nn.Module):
         """Logits (B, T, V), or the loss with `targets`. With `kv_cache`, the new tokens go after each
         row's cached ones; `kv_len`, when the caller knows it, bounds every row's length after this
         call (it keeps the call free of host synchronisation, so it can be captured in a CUDA graph)."""
-        B, T = idx.shape
+        x, xn, cos, sin, positions, mask = self.inputs(idx, kv_cache, kv_len)
+        for i, block in enumerate(self.blocks):
+            x, xn = block(x, xn, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]),
+                          positions, mask)
+        if kv_cache is not None:
+            kv_cache.lengths += idx.shape[1]
+        return self.head(xn, targets, reduction)
+
+    def inputs(self, idx, kv_cache: KVCache | None = None, kv_len: int | None = None):
+        """What every block takes: the embedded stream and its norm, the RoPE tables at each token's
+        position and, with a cache, the positions and the mask of the slots each token sees. A method of
+        its own so that a caller compiling block by block can compile this part too."""
+        T = idx.shape[1]
         if kv_cache is None:
             if T > self.rope_len:
                 raise ValueError(f"sequence of {T} tokens exceeds the model's RoPE table ({self.rope_len})")
@@ -239,13 +251,7 @@ class GPT(nn.Module):
             # so made once here rather than by a kernel in each block
             mask = (torch.arange(kv_len, device=idx.device)[None, None, :] <= positions[:, :, None])[:, None]
         x = norm(self.wte(idx))
-        xn = norm(x)
-        for i, block in enumerate(self.blocks):
-            x, xn = block(x, xn, cos, sin, None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i]),
-                          positions, mask)
-        if kv_cache is not None:
-            kv_cache.lengths += T
-        return self.head(xn, targets, reduction)
+        return x, norm(x), cos, sin, positions, mask
 
     def head(self, xn, targets=None, reduction: str = "mean"):
         """Output head on the last block's normed stream, logit cap and (with targets) the loss. A method
