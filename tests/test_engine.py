@@ -361,6 +361,19 @@ def small_gpt():
     return model.eval()
 
 
+def generate_together(engine, jobs, timeout: float = 30) -> list:
+    """`engine.generate` for every (prompt, params) job at once, each from a thread of its own (so they
+    share batches); the results in the jobs' order."""
+    box = {}
+    threads = [threading.Thread(target=lambda k, p, s: box.__setitem__(k, engine.generate(p, s)), args=(k, p, s))
+               for k, (p, s) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [box[k] for k in range(len(jobs))]
+
+
 def test_long_prompts_prefill_in_chunks_with_the_same_ids():
     """A prompt longer than `prefill_chunk` goes in over several scheduler steps while another request
     decodes; the ids equal those of a whole-prompt prefill (a real GPT, fp32 on CPU)."""
@@ -373,16 +386,10 @@ def test_long_prompts_prefill_in_chunks_with_the_same_ids():
     whole.shutdown()
     chunked = Engine(model, EngineConfig(max_batch=4, prefill_chunk=16)).start()
     try:
-        box = {}
-        threads = [threading.Thread(target=lambda k, p: box.__setitem__(k, chunked.generate(p, greedy)[0]),
-                                    args=(k, p)) for k, p in enumerate((long, short))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        got = [ids for ids, _ in generate_together(chunked, [(long, greedy), (short, greedy)])]
     finally:
         chunked.shutdown()
-    assert [box[0], box[1]] == want
+    assert got == want
 
 
 def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
@@ -414,20 +421,10 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
     params = lambda i: SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=8, max_tokens=12, seed=i)  # noqa: E731
 
     def run(engine, together):
-        box = {}
-
-        def one(i):
-            box[i] = engine.generate(prompts[i], params(i))[0]
-        if not together:
-            for i in range(len(prompts)):
-                one(i)
-            return [box[i] for i in range(len(prompts))]
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return [box[i] for i in range(len(prompts))]
+        jobs = [(p, params(i)) for i, p in enumerate(prompts)]
+        if together:
+            return [ids for ids, _ in generate_together(engine, jobs)]
+        return [engine.generate(p, s)[0] for p, s in jobs]
 
     plain = Engine(model, EngineConfig(max_batch=4, prefill_chunk=32, run_ahead=False)).start()
     try:
@@ -458,19 +455,12 @@ def test_running_ahead_changes_no_token():
         e = Engine(m, EngineConfig(max_batch=4, stop_ids=(END,), tool_start=PS, tool_end=PE, run_ahead=run_ahead),
                    tool=lambda expr: [OS, 9, OE]).start()
         try:
-            box, threads = {}, []
             jobs = [([1], SamplingParams(temperature=0, max_tokens=20)), ([3], SamplingParams(temperature=0, max_tokens=20)),
                     ([8], SamplingParams(temperature=0, max_tokens=7)), ([5], SamplingParams(temperature=1.0, seed=4, max_tokens=9))]  # one-id prompts: ScriptModel reads the last column
-            for k, (prompt, params) in enumerate(jobs):
-                t = threading.Thread(target=lambda k=k, prompt=prompt, params=params:
-                                     box.__setitem__(k, e.generate(prompt, params)))
-                threads.append(t)
-                t.start()
-            for t in threads:
-                t.join(10)
+            results = generate_together(e, jobs, timeout=10)
         finally:
             e.shutdown()
-        return {k: (ids, fin.reason) for k, (ids, fin) in box.items()}, e.steps_ahead
+        return {k: (ids, fin.reason) for k, (ids, fin) in enumerate(results)}, e.steps_ahead
 
     plain, none_ahead = run(False)
     ahead, launched_ahead = run(True)
