@@ -8,8 +8,9 @@ matrices read into the L2 cache on a side stream while one is multiplied; `sweep
 alone, cuBLAS against our kernel at each of a few block shapes. The sampling: the engine's top-k
 sampler, compiled, against the one before ties were ordered by id, and its whole-vocabulary sort;
 bitwise repeatability on logits full of ties. The cache attention: 20 layers of one query a row
-against 256 cache slots, each row masked to its own length, by SDPA (cuDNN, the engine's way) and by
-FlexAttention compiled for static shapes, with and without a block mask.
+against 256 cache slots, each row masked to its own length, by SDPA (cuDNN, as SDPA picks it in a
+process with no engine: an engine turns that kernel off, see model/engine.py) and by FlexAttention
+compiled for static shapes, with and without a block mask.
 
     python -m bench.decode_kernels [--rows 1,16,128] [--parts weights,sampling,attention,sweep] [--out x.json]
 """
