@@ -4,13 +4,11 @@ For a random model of the `h200` shape (bench/serve_gpu.py's `d_model`), capture
 decode step (`DecodeGraphs`) at a few batch sizes and times its replay with CUDA events, beside graphs
 of the same step with one part left out: the sampling (forward only) and the attention (a stand-in of
 the same shape that reads no cache), with the whole forward compiled as one instead of block by
-block, with SDPA allowed cuDNN's attention kernel again (which the engine turns off for
-repeatability: bench/results/h200-determinism-2026-12-04b), and with each block making its input's
-norm and the cache mask itself (the layout before the model made them once, where their inputs are
-made; the model's own once-per-forward norm and mask still run there too, two kernels a step more than
-that layout had), and with the blocks' inputs (`GPT.inputs`: embedding, norms, RoPE gather, mask)
-compiled as well. Differences give each part's time. Then
-lists the kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
+block, with the cache read by SDPA's masked kernel over every slot of the bucket instead of
+FlexAttention (the engine's attention before bench/results/h200-flex-2026-12-04), and with
+FlexAttention's own tile sizes instead of `gpt.FLEX_DECODE_OPTIONS`. Differences give
+each part's time. Then lists the kernels of one replay (torch.profiler), and the weight-read bound of
+bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
 """
@@ -67,28 +65,6 @@ def cacheless_attention(self, x, cos, sin, cache, positions, mask=None):
     return self.c_proj(q + k + v)
 
 
-def norm_at_block_start(self, x, xn, cos, sin, cache=None, positions=None, mask=None):
-    """The block as it was: it norms its input itself (the pair it returns holds x twice;
-    `head_norming` norms the last one)."""
-    x = x + self.attn(gpt.norm(x), cos, sin, cache, positions, mask)
-    x = x + self.mlp(gpt.norm(x))
-    return x, x
-
-
-def head_norming(self, x, targets=None, reduction="mean"):
-    return HEAD(self, gpt.norm(x), targets, reduction)
-
-
-def attention_own_mask(self, x, cos, sin, cache, positions, mask=None):
-    """The attention as it was: it makes the cache mask itself, in every layer."""
-    if mask is not None:
-        mask = (torch.arange(mask.shape[-1], device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
-    return ATTENTION(self, x, cos, sin, cache, positions, mask)
-
-
-HEAD, ATTENTION = gpt.GPT.head, gpt.Attention.forward
-
-
 def kernels(graph, lengths: torch.Tensor, start: int, n: int = 10) -> list[dict]:
     """The kernels of one replay (mean of n), longest first."""
     lengths.fill_(start)
@@ -130,22 +106,16 @@ def main(argv=None) -> dict:
     def whole_model(engine):  # one compile of the whole forward (the blocks' compiles inlined in it)
         engine.model.compile(dynamic=True)
 
-    def inputs_compiled(engine):  # the blocks' inputs (embedding, norms, RoPE gather, mask) compiled too
-        engine.model.inputs = torch.compile(engine.model.inputs, dynamic=True)
-
-    def cudnn_attention(engine):  # what the engine turns off (for repeatability): SDPA may pick cuDNN again
-        torch.backends.cuda.enable_cudnn_sdp(True)  # (off again with the next variant's Engine)
+    def sdpa_attention(engine):  # SDPA's masked kernel (memory-efficient: the engine keeps cuDNN's off)
+        engine.cache.flex = engine.graphs.scratch.flex = False
 
     # name -> (patches applied before the engine is built, a change to the built engine)
     variants = {"step": ([], None),
                 "forward only": ([(engine_mod, "sample", no_sampling)], None),
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
-                "cudnn attention": ([], cudnn_attention),
-                "inputs compiled": ([], inputs_compiled),
-                "norm and mask in every block": ([(gpt.Block, "forward", norm_at_block_start),
-                                                  (gpt.GPT, "head", head_norming),
-                                                  (gpt.Attention, "forward", attention_own_mask)], None)}
+                "sdpa attention": ([], sdpa_attention),
+                "flex default tiles": ([(gpt, "FLEX_DECODE_OPTIONS", None)], None)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]

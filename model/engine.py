@@ -343,7 +343,10 @@ class Engine:
         p = next(model.parameters())
         self.device = p.device
         self.max_len = min(config.max_len or model.config.seq_len, getattr(model, "rope_len", 1 << 30))
-        self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        # the graphs' path compiles the blocks, so its cache is read by FlexAttention (DecodeGraphs says why)
+        self.cache = KVCache(model.config, config.max_batch, self.max_len, self.device, config.dtype or p.dtype,
+                             flex=graphs)
         self.lens = [0] * config.max_batch  # tokens each cache row holds (the host's copy: no reads back)
         # per row: how often each id was generated (penalties) and the logit bias; rows move with their
         # request. Read only by steps whose rows ask for extras (SamplingParams.extras)
@@ -351,13 +354,13 @@ class Engine:
         self.counts = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
         self.bias = torch.zeros((config.max_batch, V), dtype=torch.float32, device=self.device)
         if self.device.type == "cuda":
-            # no cuDNN attention kernel in this process: on the H200 it gave other bits for the same
-            # inputs (so seeded requests were not repeatable) and read past an odd-length mask; the
-            # memory-efficient kernel SDPA picks instead did neither and timed the same in a decode
-            # step (bench/results/h200-determinism-2026-12-04b). A process-wide flag: a context manager
-            # around the model's attention, inside the compiled blocks, ran slower end to end (there)
+            # no cuDNN attention kernel in this process (what SDPA's masked calls, the path without
+            # graphs, would pick): on the H200 it gave other bits for the same inputs (so seeded
+            # requests were not repeatable) and read past an odd-length mask; the memory-efficient
+            # kernel SDPA picks instead did neither (bench/results/h200-determinism-2026-12-04b). A
+            # process-wide flag: a context manager inside the compiled blocks ran slower end to end (there)
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.graphs = DecodeGraphs(self) if config.cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = DecodeGraphs(self) if graphs else None
         self.run_ahead = self.device.type == "cuda" if config.run_ahead is None else config.run_ahead
         self.active: list[Request] = []
         self._inflight: _Step | None = None  # a decode step launched ahead, not yet collected
@@ -771,8 +774,12 @@ class DecodeGraphs:
     A graph holds the whole step: the forward over cache rows 0..B-1 and slots 0..L-1 of the engine's
     one cache (whose storage never moves) and the sampling, reading ids and sampling settings from
     fixed buffers and writing the sampled ids to a fixed output. The blocks, the head and the sampler
-    are compiled first (`torch.compile`, dynamic shapes: one compile serves every bucket), so a step is
-    a few fused kernels per layer rather than dozens of small ones. Rows past the active ones are free:
+    are compiled first (`torch.compile`, dynamic shapes: a compile serves many buckets), so a step is
+    a few fused kernels per layer rather than dozens of small ones. The cache is read by FlexAttention
+    (`KVCache.flex`), compiled with the blocks: it visits only the 128-slot blocks each row has
+    filled and gave the same bits for the same inputs; SDPA's masked kernels read every slot of the
+    bucket, cuDNN's was not repeatable and the memory-efficient one made the step slower at every batch
+    size measured (bench/results/h200-flex-2026-12-04). Rows past the active ones are free:
     their length is set to 0 before a replay, so what the graph writes there is harmless (a row is
     reset when a request takes it).
 
@@ -802,7 +809,8 @@ class DecodeGraphs:
         self.eager_k: set[int] = set()  # k_max values whose sampler compile failed: eager for them
         self.prefill_max = min(engine.config.prefill_chunk, self.PREFILL_MAX, engine.max_len)
         self.prefill_top = self._bucket(self.prefill_max, 16, self.PREFILL_MAX)  # the longest padded chunk
-        self.scratch = KVCache(engine.model.config, 1, self.prefill_top, dev, engine.cache.k[0].dtype)
+        self.scratch = KVCache(engine.model.config, 1, self.prefill_top, dev, engine.cache.k[0].dtype,
+                               flex=engine.cache.flex)
         self.prefill_ids = torch.zeros((1, self.prefill_top), dtype=torch.long, device=dev)
         self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefills: dict[int, tuple] = {}  # padded length -> (graph, last position's logits)
@@ -811,6 +819,10 @@ class DecodeGraphs:
             # block by block (one compile serves all twenty): the whole forward as one compile fuses a
             # little more but took minutes to compile for every bucket (bench/results/h200-decode-2026-12-04)
             model = engine.model
+            # one compile per kind of call the buckets make (one row or more, one new token, under 128 or
+            # more, the cache's whole length or less): about a dozen, past dynamo's default limit of 8,
+            # after which a block would run uncompiled (FlexAttention then the slow reference)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for block in model.blocks:
                 block.compile(dynamic=True)
             model.head = torch.compile(model.head, dynamic=True)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 @dataclass
@@ -68,19 +69,24 @@ class KVCache:
     Rows are independent sequences; `lengths[b]` counts the tokens row b holds. `view(start, stop)`
     gives a cache over a contiguous range of rows that shares storage (no copy), which is how an
     engine prefills one new request while others keep their rows.
+
+    `flex`: read with FlexAttention over the 128-slot blocks each row has filled (`cache_block_mask`)
+    instead of SDPA with a boolean mask over every slot. Only for callers that compile the blocks
+    (FlexAttention uncompiled is a slow reference); see model/engine.py's DecodeGraphs for why.
     """
 
-    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype):
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype, flex: bool = False):
         shape = (batch, config.n_kv_head, max_len, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.flex = flex
 
     @classmethod
-    def _from_parts(cls, k, v, lengths, max_len):
+    def _from_parts(cls, k, v, lengths, max_len, flex):
         c = cls.__new__(cls)
-        c.k, c.v, c.lengths, c.max_len = k, v, lengths, max_len
+        c.k, c.v, c.lengths, c.max_len, c.flex = k, v, lengths, max_len, flex
         return c
 
     @property
@@ -89,7 +95,7 @@ class KVCache:
 
     def view(self, start: int, stop: int) -> "KVCache":
         return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
-                                   self.lengths[start:stop], self.max_len)
+                                   self.lengths[start:stop], self.max_len, self.flex)
 
     def copy_row(self, src: int, dst: int, n: int | None = None) -> None:
         """Move row src, which holds n tokens, into row dst (used to keep active rows contiguous)."""
@@ -101,6 +107,37 @@ class KVCache:
 
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
+
+
+def cache_block_mask(positions: torch.Tensor, kv_len: int) -> BlockMask:
+    """The FlexAttention form of the cache mask: new token (b, t) at position positions[b, t] sees slots
+    0..positions[b, t]. Each row visits only the 128-slot blocks up to its last position, so a decode
+    step reads each row's filled part of the cache, not every slot of the bucket. Built from the block
+    counts directly (no `create_block_mask` pass over every slot) and with no host read, so a CUDA graph
+    can hold it.
+
+    Shaped so the compiled blocks see few distinct shapes (each is a compile of its own, and torch.compile
+    compiles a dimension of size 1 apart from the others): one query block spans every new token, and
+    the list of slot blocks is at least two wide (a row never visits more than it has filled)."""
+    B, T = positions.shape
+    size = 128
+    width = max(2, -(-kv_len // size))
+    visited = (positions[:, -1] // size + 1).to(torch.int32)  # one bound for all of a row's queries
+    indices = torch.arange(width, device=positions.device, dtype=torch.int32)
+    indices = indices.view(1, 1, 1, width).expand(B, 1, 1, width).contiguous()
+
+    def sees(b, h, q, kv):
+        return kv <= positions[b, q]
+
+    return BlockMask.from_kv_blocks(visited.view(B, 1, 1), indices, BLOCK_SIZE=(QUERY_SPAN, size), mask_mod=sees,
+                                    seq_lengths=(T, kv_len), compute_q_blocks=False)  # q blocks: backward only
+
+
+QUERY_SPAN = 1 << 16  # the query block of `cache_block_mask`: longer than any chunk a cache takes at once
+# FlexAttention's kernel for one new token a row: query tiles of 16 rows (its default tiles 128 when the
+# batch size is not fixed at compile time, as in the engine's graphs) read 64 slots at a time
+# (bench/results/h200-flex-2026-12-04)
+FLEX_DECODE_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 class Attention(nn.Module):
@@ -133,9 +170,14 @@ class Attention(nn.Module):
             kc[rows, :, positions] = k.to(kc.dtype)
             vc[rows, :, positions] = v.to(vc.dtype)
             # attend over the mask's slots only (the caller's bound on every row's length)
-            kv_len = mask.shape[-1]
+            flex = isinstance(mask, BlockMask)
+            kv_len = mask.seq_lengths[1] if flex else mask.shape[-1]
             keys, values = kc[:, :, :kv_len].to(q.dtype), vc[:, :, :kv_len].to(q.dtype)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, **gqa)
+            if flex:
+                opts = FLEX_DECODE_OPTIONS if T == 1 else None
+                y = flex_attention(q.transpose(1, 2), keys, values, block_mask=mask, kernel_options=opts, **gqa)
+            else:
+                y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, **gqa)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -161,7 +203,8 @@ class Block(nn.Module):
         """x: the residual stream, xn: norm(x); returns the same pair for the next block. The norm is taken
         where x is made, so a block compiled on its own (the engine, TE) fuses it with its last residual
         add instead of starting the next block with a kernel of its own. cache: this layer's (keys,
-        values) during generation, written at `positions`, read where `mask` (B, 1, T, slots) is true;
+        values) during generation, written at `positions`, read where `mask` (B, 1, T, slots), or its
+        BlockMask form for a FlexAttention cache, is true;
         no layer index, so torch.compile sees every block as the same code (one compile, not one per
         layer)."""
         x = x + self.attn(xn, cos, sin, cache, positions, mask)
@@ -249,7 +292,10 @@ class GPT(nn.Module):
             cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
             # the slots each new token sees: its row's filled ones and itself. The same for every layer,
             # so made once here rather than by a kernel in each block
-            mask = (torch.arange(kv_len, device=idx.device)[None, None, :] <= positions[:, :, None])[:, None]
+            if kv_cache.flex:
+                mask = cache_block_mask(positions, kv_len)
+            else:
+                mask = (torch.arange(kv_len, device=idx.device)[None, None, :] <= positions[:, :, None])[:, None]
         x = norm(self.wte(idx))
         return x, norm(x), cos, sin, positions, mask
 

@@ -392,6 +392,28 @@ def test_long_prompts_prefill_in_chunks_with_the_same_ids():
     assert got == want
 
 
+def test_flex_cache_gives_the_sdpa_logits():
+    """A FlexAttention cache (the GPU graphs' path) against the boolean-mask SDPA one: rows of other
+    lengths, a chunk over two query blocks of 128 into three slot blocks, then decode steps over a
+    bucket wider than any row; the same logits. The blocks compiled, as the engine runs them: uncompiled,
+    FlexAttention's reference implementation ignores which blocks a row visits."""
+    from model.gpt import KVCache
+    model = small_gpt()
+    for block in model.blocks:
+        block.compile(dynamic=True)
+    g = torch.Generator().manual_seed(2)
+    chunk, steps = torch.randint(0, 64, (3, 150), generator=g), torch.randint(0, 64, (3, 3, 1), generator=g)
+    outs = []
+    with torch.no_grad():
+        for flex in (False, True):
+            cache = KVCache(model.config, 3, 512, "cpu", torch.float32, flex=flex)
+            cache.lengths.copy_(torch.tensor([0, 40, 130]))  # earlier slots hold zeros: attended all the same
+            outs.append([model(chunk, kv_cache=cache, kv_len=130 + 150)])
+            outs[-1] += [model(ids, kv_cache=cache, kv_len=512) for ids in steps]
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
     """DecodeGraphs' own logic (buckets of rows and slots, rows past the active ones, the first chunk
     prefilled padded into the scratch row and copied to its row) with each "graph" replayed by running

@@ -104,13 +104,16 @@ def test_seeded_sampling_is_reproducible_under_graphs():
     assert a != other_seed
 
 
-def test_decode_attention_repeats_bit_for_bit_in_an_engines_process():
+@pytest.mark.parametrize("graphs", [False, True], ids=["sdpa", "flex"])
+def test_decode_attention_repeats_bit_for_bit_in_an_engines_process(graphs):
     """The seeded flake's cause: with cuDNN's SDPA kernel, this decode forward over 1,024 cache slots
     gave other bits for the same cache and input in most repeats on the H200
-    (bench/results/h200-determinism-2026-12-04b, run 9); an engine keeps SDPA off that kernel."""
+    (bench/results/h200-determinism-2026-12-04b, run 9). Both of an engine's attention paths must not:
+    SDPA's masked one (no graphs; the engine keeps SDPA off cuDNN's kernel) and the graphs' path
+    (blocks compiled, a FlexAttention cache)."""
     model = gpu_model_bf16()
-    Engine(model, EngineConfig(max_batch=1, cuda_graphs=False))  # its set-up chooses SDPA's kernels
-    cache = KVCache(model.config, 1, 1024, "cuda", torch.bfloat16)
+    Engine(model, EngineConfig(max_batch=1, cuda_graphs=graphs))  # its set-up: SDPA's kernels, compiled blocks
+    cache = KVCache(model.config, 1, 1024, "cuda", torch.bfloat16, flex=graphs)
     with torch.inference_mode():
         fill(model, cache, 640)
         saved = [t.clone() for t in cache.k + cache.v]
