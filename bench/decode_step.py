@@ -5,10 +5,10 @@ decode step (`DecodeGraphs`) at a few batch sizes and times its replay with CUDA
 of the same step with one part left out: the sampling (forward only) and the attention (a stand-in of
 the same shape that reads no cache), with the whole forward compiled as one instead of block by
 block, with the cache read by SDPA's masked kernel over every slot of the bucket instead of
-FlexAttention (the engine's attention before bench/results/h200-flex-2026-12-04), and with
-FlexAttention's own tile sizes instead of `gpt.FLEX_DECODE_OPTIONS`. Differences give
-each part's time. Then lists the kernels of one replay (torch.profiler), and the weight-read bound of
-bench/serve_gpu.py.
+FlexAttention (the engine's attention before bench/results/h200-flex-2026-12-04), with
+FlexAttention's own tile sizes instead of `gpt.FLEX_DECODE_OPTIONS`, and with its general kernel
+where it would pick its decoding one (one row). Differences give each part's time. Then lists the
+kernels of one replay (torch.profiler), and the weight-read bound of bench/serve_gpu.py.
 
     python -m bench.decode_step [--rows 1,128] [--slots 256] [--variants step,...] [--out bench/results/x.json]
 """
@@ -115,7 +115,10 @@ def main(argv=None) -> dict:
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
                 "sdpa attention": ([], sdpa_attention),
-                "flex default tiles": ([(gpt, "FLEX_DECODE_OPTIONS", None)], None)}
+                "flex default tiles": ([(gpt, "FLEX_DECODE_OPTIONS", None)], None),
+                # one row (a batch size fixed at compile time) otherwise takes the decoding kernel
+                "flex general kernel": ([(gpt, "FLEX_DECODE_OPTIONS",
+                                          {**gpt.FLEX_DECODE_OPTIONS, "FORCE_USE_FLEX_ATTENTION": True})], None)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]
