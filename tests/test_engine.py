@@ -394,8 +394,8 @@ def test_long_prompts_prefill_in_chunks_with_the_same_ids():
 
 def test_flex_cache_gives_the_sdpa_logits():
     """A FlexAttention cache (the GPU graphs' path) against the boolean-mask SDPA one: rows of other
-    lengths, a chunk over two query blocks of 128 into three slot blocks, then decode steps over a
-    bucket wider than any row; the same logits. The blocks compiled, as the engine runs them: uncompiled,
+    lengths, a chunk of 150 new tokens (FlexAttention's general kernel) into three slot blocks, then
+    decode steps over a bucket wider than any row; the same logits. The blocks compiled, as the engine runs them: uncompiled,
     FlexAttention's reference implementation ignores which blocks a row visits."""
     from model.gpt import KVCache
     model = small_gpt()
