@@ -128,7 +128,6 @@ def main(argv=None) -> dict:
             for m in (model, *model.blocks):  # the compiles an earlier variant left on the model
                 m._compiled_call_impl = None
             model.__dict__.pop("head", None)
-            model.__dict__.pop("inputs", None)
             with contextlib.ExitStack() as stack:
                 for obj, attr, value in patches:
                     stack.enter_context(patched(obj, attr, value))

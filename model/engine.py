@@ -17,7 +17,7 @@ No host synchronisation inside a step. The scheduler keeps every row's length on
 the forward is told how many cache slots to attend over instead of reading the lengths back from the
 GPU. On CUDA a decode step is therefore a fixed sequence of kernels for a given (rows, slots) pair, and
 is replayed from a CUDA graph captured once per bucket: rows rounded up to a power of two, slots to a
-power of two (at least 64), so attention reads about as much of the cache as the longest row holds.
+power of two (at least 64); FlexAttention then reads each row's filled blocks of those slots.
 The one device-to-host copy per step is the sampled ids, which the scheduler needs to stream them.
 A request admitted alone (the common case at idle) has its first chunk prefilled from a graph too, one
 per prompt-length bucket (`DecodeGraphs.prefill`): otherwise its first token waits on the host's launch
@@ -334,7 +334,8 @@ class EngineConfig:
 
 class Engine:
     """Continuous-batching generator over one model. `start()` runs the scheduler in a thread. On CUDA,
-    building one turns cuDNN's SDPA kernel off for the whole process (why: in `__init__`)."""
+    building one turns cuDNN's SDPA kernel off for the whole process (why: in `__init__`), and one with
+    graphs raises dynamo's recompile limit for the process (why: in `DecodeGraphs.__init__`)."""
 
     def __init__(self, model, config: EngineConfig, tool: Tool | None = None):
         self.model = model
@@ -816,12 +817,14 @@ class DecodeGraphs:
         self.prefills: dict[int, tuple] = {}  # padded length -> (graph, last position's logits)
         self.prefill_replays = 0
         if compile_blocks:
-            # block by block (one compile serves all twenty): the whole forward as one compile fuses a
-            # little more but took minutes to compile for every bucket (bench/results/h200-decode-2026-12-04)
+            # block by block (the twenty blocks share each compile): the whole forward as one compile
+            # fuses a little more but took minutes to compile for every bucket
+            # (bench/results/h200-decode-2026-12-04)
             model = engine.model
             # one compile per kind of call the buckets make (one row or more, one new token, under 128 or
-            # more, the cache's whole length or less): about a dozen, past dynamo's default limit of 8,
-            # after which a block would run uncompiled (FlexAttention then the slow reference)
+            # more, the cache's whole length or less): more than dynamo's default limit of 8
+            # (bench/results/h200-flex-2026-12-04, run 4), past which a block runs uncompiled (and
+            # FlexAttention as its reference: `KVCache`)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for block in model.blocks:
                 block.compile(dynamic=True)
@@ -894,6 +897,7 @@ class DecodeGraphs:
         that no request waits for a compile or a capture."""
         e = self.engine
         for b in (1, 2):
+            e.cache.lengths.zero_()  # kv_len bounds every row's length after the call
             view = e.cache.view(0, b)
             e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
         e.cache.lengths.zero_()

@@ -71,8 +71,10 @@ class KVCache:
     engine prefills one new request while others keep their rows.
 
     `flex`: read with FlexAttention over the 128-slot blocks each row has filled (`cache_block_mask`)
-    instead of SDPA with a boolean mask over every slot. Only for callers that compile the blocks
-    (FlexAttention uncompiled is a slow reference); see model/engine.py's DecodeGraphs for why.
+    instead of SDPA with a boolean mask over every slot. Only for callers that compile the blocks:
+    uncompiled, FlexAttention runs its reference implementation, which is slow, materialises every
+    score, ignores which blocks a row visits and cannot run inside a CUDA graph capture. Why the
+    engine's graphs use it: model/engine.py's DecodeGraphs.
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype, flex: bool = False):
@@ -109,6 +111,13 @@ class KVCache:
         self.lengths[row] = 0
 
 
+QUERY_SPAN = 1 << 16  # the query block of `cache_block_mask`: longer than any chunk a cache takes at once
+# FlexAttention's kernel for one new token a row: query tiles of 16 rows (its default tiles 128 when the
+# batch size is not fixed at compile time, as in the engine's graphs) read 64 slots at a time
+# (bench/results/h200-flex-2026-12-04)
+FLEX_DECODE_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
 def cache_block_mask(positions: torch.Tensor, kv_len: int) -> BlockMask:
     """The FlexAttention form of the cache mask: new token (b, t) at position positions[b, t] sees slots
     0..positions[b, t]. Each row visits only the 128-slot blocks up to its last position, so a decode
@@ -120,9 +129,13 @@ def cache_block_mask(positions: torch.Tensor, kv_len: int) -> BlockMask:
     compiles a dimension of size 1 apart from the others): one query block spans every new token, and
     the list of slot blocks is at least two wide (a row never visits more than it has filled)."""
     B, T = positions.shape
+    if T > QUERY_SPAN:
+        raise ValueError(f"{T} new tokens at once: a FlexAttention cache takes at most {QUERY_SPAN}")
     size = 128
-    width = max(2, -(-kv_len // size))
-    visited = (positions[:, -1] // size + 1).to(torch.int32)  # one bound for all of a row's queries
+    blocks = -(-kv_len // size)
+    width = max(2, blocks)
+    # one bound for all of a row's queries; never past kv_len (as SDPA's mask: slots past it unseen)
+    visited = (positions[:, -1] // size + 1).clamp(max=blocks).to(torch.int32)
     indices = torch.arange(width, device=positions.device, dtype=torch.int32)
     indices = indices.view(1, 1, 1, width).expand(B, 1, 1, width).contiguous()
 
@@ -131,13 +144,6 @@ def cache_block_mask(positions: torch.Tensor, kv_len: int) -> BlockMask:
 
     return BlockMask.from_kv_blocks(visited.view(B, 1, 1), indices, BLOCK_SIZE=(QUERY_SPAN, size), mask_mod=sees,
                                     seq_lengths=(T, kv_len), compute_q_blocks=False)  # q blocks: backward only
-
-
-QUERY_SPAN = 1 << 16  # the query block of `cache_block_mask`: longer than any chunk a cache takes at once
-# FlexAttention's kernel for one new token a row: query tiles of 16 rows (its default tiles 128 when the
-# batch size is not fixed at compile time, as in the engine's graphs) read 64 slots at a time
-# (bench/results/h200-flex-2026-12-04)
-FLEX_DECODE_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 class Attention(nn.Module):
@@ -152,7 +158,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: tuple | None, positions, mask=None):
         B, T, _ = x.shape
         q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
-        # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only SDPA sees (B, H, T, D).
+        # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only the attention kernel sees (B, H, T, D).
         # Backward then writes the fused q/k/v gradient with one cheaper copy (a shorter bf16 micro-step
         # than heads-first: bench/results/h200-d20-2026-12-03b)
         q = q.reshape(B, T, self.n_head, self.head_dim)

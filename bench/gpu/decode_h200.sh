@@ -1,7 +1,8 @@
 #!/bin/bash
 # H200: one decode step, part by part (bench/decode_step.py: the engine's captured step at 1, 16 and
-# 128 rows, with the sampling or the attention left out, the whole forward compiled as one, cuDNN's
-# attention allowed, the norm and mask made in every block, plus the kernels of one replay), then the
+# 128 rows, with the sampling or the attention left out, the whole forward compiled as one, the cache
+# read by SDPA instead of FlexAttention, FlexAttention's own tiles or general kernel, plus the kernels of
+# one replay), then the
 # weight products and the cache attention alone against other kernels for the same work
 # (bench/decode_kernels.py, an L2 prefetch of the next weights included).
 # Device call: no carry needed, command `bash bench/gpu/decode_h200.sh` (about 5 minutes).
