@@ -282,7 +282,8 @@ class GPT(nn.Module):
     def inputs(self, idx, kv_cache: KVCache | None = None, kv_len: int | None = None):
         """What every block takes: the embedded stream and its norm, the RoPE tables at each token's
         position and, with a cache, the positions and the mask of the slots each token sees. A method of
-        its own so that a caller compiling block by block can compile this part too."""
+        its own, as `head` is; the engine leaves it uncompiled (compiled, it saved nothing in a decode
+        step: bench/results/h200-flex-2026-12-04, run 1)."""
         T = idx.shape[1]
         if kv_cache is None:
             if T > self.rope_len:
