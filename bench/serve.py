@@ -16,11 +16,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -114,6 +117,69 @@ async def stream_clients(n: int):
     the server, set the rate (bench/results/README.md, "the benchmark's client")."""
     async with contextlib.AsyncExitStack() as stack:
         yield [await stack.enter_async_context(httpx.AsyncClient(timeout=600)) for _ in range(n)]
+
+
+def client_processes(streams: int) -> int:
+    """Client processes for `streams`: one per 8 streams, on at most half the machine's cores. A Python
+    client spends more CPU a streamed token than the server's own loop does
+    (bench/results/http-client-2026-12-04), so at tens of thousands of tokens/s one process of them would
+    time itself, not the server."""
+    return max(1, min(-(-streams // 8), (os.cpu_count() or 2) // 2))
+
+
+def _client_rounds(url: str, streams: list[int], max_tokens: int, seconds: float, ready, go, out) -> None:
+    """One client process: a connection per stream (`streams`: their indices), a warm-up round, then
+    rounds of all of them at once for at least `seconds`; puts (tokens, CPU seconds) on `out`."""
+    async def run():
+        async with stream_clients(len(streams)) as clients:
+            await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, streams)))
+            ready.wait()
+            go.wait()
+            t, cpu, tokens = time.perf_counter(), time.process_time(), 0
+            while not tokens or time.perf_counter() - t < seconds:
+                tokens += sum(await asyncio.gather(*(one_stream(c, url, i, max_tokens)
+                                                     for c, i in zip(clients, streams))))
+            out.put((tokens, time.process_time() - cpu, time.perf_counter() - t))
+    try:
+        asyncio.run(run())
+    except BaseException:
+        ready.abort()  # the parent and the other processes stop waiting
+        go.abort()
+        raise
+
+
+def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float, procs: int, at_start=None):
+    """`streams` streams spread over `procs` client processes, each running rounds of its share (see
+    `_client_rounds`). `at_start()` runs after every process has warmed up and before any starts timing;
+    returns (tokens, wall seconds, client CPU seconds, the busiest process's CPU share, at_start's value)."""
+    ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: never fork it
+    ready, go, out = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_client_rounds, daemon=True,
+                           args=(url, list(range(streams))[p::procs], max_tokens, seconds, ready, go, out))
+               for p in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        try:
+            ready.wait(timeout=600)
+            snapshot = at_start() if at_start else None
+            go.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            sys.exit("a client process failed before the timing began (its traceback is above)")
+        t, parts = time.perf_counter(), []
+        while len(parts) < procs:
+            try:
+                parts.append(out.get(timeout=1))
+            except queue.Empty:
+                if any(w.exitcode not in (None, 0) for w in workers):
+                    sys.exit("a client process failed (its traceback is above)")
+        wall = time.perf_counter() - t
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    return (sum(p[0] for p in parts), wall, sum(p[1] for p in parts), max(p[1] / p[2] for p in parts), snapshot)
 
 
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:

@@ -16,7 +16,6 @@ can be profiled.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -163,34 +162,31 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def http_levels(model_dir: Path, levels, new: int, device: str, min_seconds: float = 4.0) -> dict:
+def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | None, min_seconds: float = 4.0) -> dict:
     """The same levels through the server in a separate process (the API alone: the chat page adds
     nothing to a request's path) and the OpenAI streaming API, rounds of all streams at once for at
-    least `min_seconds` a level. Also the CPU time the server's event
-    loop thread (its main thread: HTTP, SSE, detokenizing) spends per generated token."""
-    from bench.serve import one_stream, running_server, stream_clients
+    least `min_seconds` a level, the streams spread over client processes (`procs`, or
+    bench.serve.client_processes). Also the CPU time the server's event loop thread (its main thread:
+    HTTP, SSE, detokenizing) spends per generated token, and the clients' own."""
+    from bench.serve import client_processes, rounds_in_processes, running_server
     # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
     launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
               "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
               "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[5]), log_level='warning')")
     out = {}
     with running_server(["-c", launch, str(model_dir), str(max(levels)), device], timeout=300) as (base, pid):
-        async def level(n: int) -> dict:
-            url = base + "/v1/chat/completions"
-            async with stream_clients(n) as clients:
-                await asyncio.gather(*(one_stream(c, url, i, new) for i, c in enumerate(clients)))  # warm-up
-                before, cpu, t, tokens = scrape(base), thread_cpu_s(pid, pid), time.perf_counter(), 0
-                while not tokens or time.perf_counter() - t < min_seconds:  # rounds of n streams at once
-                    tokens += sum(await asyncio.gather(*(one_stream(c, url, i, new) for i, c in enumerate(clients))))
-                secs, cpu, after = time.perf_counter() - t, thread_cpu_s(pid, pid) - cpu, scrape(base)
+        for n in levels:
+            p = procs or client_processes(n)
+            tokens, secs, client_cpu, busiest, (before, cpu) = rounds_in_processes(
+                base + "/v1/chat/completions", n, new, min_seconds, p, lambda: (scrape(base), thread_cpu_s(pid, pid)))
+            cpu, after = thread_cpu_s(pid, pid) - cpu, scrape(base)
             steps, engine_cpu = (after[k] - before[k]
                                  for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds"))
-            return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-                    "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1),
-                    **host_share(tokens, int(steps), engine_cpu, secs)}
-
-        for n in levels:
-            out[n] = asyncio.run(level(n))
+            out[n] = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+                      "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1), "client_processes": p,
+                      "client_cpu_us_per_token": round(1e6 * client_cpu / tokens, 1),
+                      "busiest_client_cpu_share": round(busiest, 3),
+                      **host_share(tokens, int(steps), engine_cpu, secs)}
     return out
 
 
@@ -205,6 +201,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
+    ap.add_argument("--client-procs", type=int, help="HTTP client processes (default: bench.serve.client_processes)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the HTTP path's overhead with a small model (default: %(default)s)")
     ap.add_argument("--out", help="write the results here as JSON")
@@ -279,13 +276,15 @@ def main(argv=None) -> dict:
             save_model_dir(Path(tmp) / "m", model.float(), tok, {"temperature": 1.0, "top_k": 50,
                                                                  "max_tokens": args.new, "tool_use": False})
             model.to(torch.bfloat16 if gpu else torch.float32)
-            r = http_levels(Path(tmp) / "m", levels, args.new, args.device)
+            r = http_levels(Path(tmp) / "m", levels, args.new, args.device, args.client_procs)
         res["http"] = r
         for n in levels:
             e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
             r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)
             print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine "
-                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token; "
+                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token; clients "
+                  f"{r[n]['client_cpu_us_per_token']} us a token over {r[n]['client_processes']} processes (busiest on "
+                  f"a CPU {r[n]['busiest_client_cpu_share']:.0%}); "
                   f"{r[n]['tokens_per_step']} tokens a step, scheduler on a CPU {r[n]['engine_cpu_share']:.0%}",
                   flush=True)
     save(res, args.out)
