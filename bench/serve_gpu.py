@@ -164,9 +164,9 @@ def thread_cpu_s(pid: int, tid: int) -> float:
 
 def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | None, min_seconds: float = 4.0) -> dict:
     """The same levels through the server in a separate process (the API alone: the chat page adds
-    nothing to a request's path) and the OpenAI streaming API, rounds of all streams at once for at
-    least `min_seconds` a level, the streams spread over client processes (`procs`, or
-    bench.serve.client_processes). Also the CPU time the server's event loop thread (its main thread:
+    nothing to a request's path) and the OpenAI streaming API for at least `min_seconds` a level, the
+    streams spread over client processes (`procs`, or bench.serve.client_processes), each running rounds
+    of its share at once (the processes' rounds drift apart). Also the CPU time the server's event loop thread (its main thread:
     HTTP, SSE, detokenizing) spends per generated token, and the clients' own."""
     from bench.serve import client_processes, rounds_in_processes, running_server
     # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
