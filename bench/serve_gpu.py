@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -162,19 +163,24 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | None, min_seconds: float = 4.0) -> dict:
+def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | None, switch_interval: float | None,
+                min_seconds: float = 4.0) -> dict:
     """The same levels through the server in a separate process (the API alone: the chat page adds
     nothing to a request's path) and the OpenAI streaming API for at least `min_seconds` a level, the
-    streams spread over client processes (`procs`, or bench.serve.client_processes), each running rounds
-    of its share at once (the processes' rounds drift apart). Also the CPU time the server's event loop thread (its main thread:
-    HTTP, SSE, detokenizing) spends per generated token, and the clients' own."""
+    streams spread over client processes (`procs`, or bench.serve.client_processes), each running
+    rounds of its share at once (the processes' rounds drift apart). Also the CPU time the server's
+    event loop thread (its main thread: HTTP, SSE, detokenizing) spends per generated token, and the
+    clients' own. `switch_interval`: the server's `sys.setswitchinterval`, how long the loop thread may
+    keep the GIL from the engine's thread (Python's default: 5 ms)."""
     from bench.serve import client_processes, rounds_in_processes, running_server
     # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
     launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
+              "sys.setswitchinterval(float(sys.argv[4])) if sys.argv[4] != 'default' else None; "
               "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
-              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[5]), log_level='warning')")
+              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[6]), log_level='warning')")
     out = {}
-    with running_server(["-c", launch, str(model_dir), str(max(levels)), device], timeout=300) as (base, pid):
+    with running_server(["-c", launch, str(model_dir), str(max(levels)), device, str(switch_interval or "default")],
+                        timeout=300) as (base, pid):
         for n in levels:
             p = procs or client_processes(n)
             tokens, secs, client_cpu, busiest, (before, cpu) = rounds_in_processes(
@@ -201,6 +207,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
+    ap.add_argument("--switch-interval", type=float,
+                    help="the server's sys.setswitchinterval in seconds (default: Python's)")
     ap.add_argument("--client-procs", type=int, help="HTTP client processes (default: bench.serve.client_processes)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the HTTP path's overhead with a small model (default: %(default)s)")
@@ -276,8 +284,10 @@ def main(argv=None) -> dict:
             save_model_dir(Path(tmp) / "m", model.float(), tok, {"temperature": 1.0, "top_k": 50,
                                                                  "max_tokens": args.new, "tool_use": False})
             model.to(torch.bfloat16 if gpu else torch.float32)
-            r = http_levels(Path(tmp) / "m", levels, args.new, args.device, args.client_procs)
+            r = http_levels(Path(tmp) / "m", levels, args.new, args.device, args.client_procs,
+                            args.switch_interval)
         res["http"] = r
+        res["server_switch_interval_s"] = args.switch_interval or sys.getswitchinterval()
         for n in levels:
             e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
             r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)
