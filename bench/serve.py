@@ -129,7 +129,7 @@ def client_processes(streams: int) -> int:
 
 def _client_rounds(url: str, streams: list[int], max_tokens: int, seconds: float, ready, go, out) -> None:
     """One client process: a connection per stream (`streams`: their indices), a warm-up round, then
-    rounds of all of them at once for at least `seconds`; puts (tokens, CPU seconds) on `out`."""
+    rounds of all of them at once for at least `seconds`; puts (tokens, CPU seconds, seconds) on `out`."""
     async def run():
         async with stream_clients(len(streams)) as clients:
             await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, streams)))
