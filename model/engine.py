@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 import threading
 import time
 import warnings
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from .gpt import KVCache
 
@@ -894,21 +896,27 @@ class DecodeGraphs:
 
     def warmup(self) -> None:
         """Compile the blocks for prefill shapes and capture every prefill and decode bucket now, so
-        that no request waits for a compile or a capture."""
+        that no request waits for a compile or a capture. Most of a GPU engine's start, so it shows a
+        progress bar with an ETA on stderr (the compiles come first: the early ETA runs long)."""
         e = self.engine
-        for b in (1, 2):
-            e.cache.lengths.zero_()  # kv_len bounds every row's length after the call
-            view = e.cache.view(0, b)
-            e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
-        e.cache.lengths.zero_()
-        for T in self._buckets(16, self.prefill_top):
-            if T not in self.prefills:
+        prefills = [T for T in self._buckets(16, self.prefill_top) if T not in self.prefills]
+        decodes = [key for rows in self._buckets(1, e.config.max_batch) for slots in self._buckets(64, e.max_len)
+                   for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True))
+                   if key not in self.graphs]
+        with tqdm(total=2 + len(prefills) + len(decodes), desc="engine warm-up: compile, capture graphs",
+                  unit="step", file=sys.stderr, mininterval=2.0) as bar:
+            for b in (1, 2):
+                e.cache.lengths.zero_()  # kv_len bounds every row's length after the call
+                view = e.cache.view(0, b)
+                e.model(torch.zeros((b, 8), dtype=torch.long, device=e.device), kv_cache=view, kv_len=8)
+                bar.update()
+            e.cache.lengths.zero_()
+            for T in prefills:
                 self.prefills[T] = self._capture_prefill(T)
-        for rows in self._buckets(1, e.config.max_batch):
-            for slots in self._buckets(64, e.max_len):
-                for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True)):
-                    if key not in self.graphs:
-                        self.graphs[key] = self._capture(*key)
+                bar.update()
+            for key in decodes:
+                self.graphs[key] = self._capture(*key)
+                bar.update()
 
     def _sample(self, logits, temperature, top_k, top_p, uniform, k_max: int):
         """The compiled sampler, or the eager one for a k_max whose compile failed (with a warning:

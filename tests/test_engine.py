@@ -417,11 +417,12 @@ def test_flex_cache_gives_the_sdpa_logits():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
+def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
     """DecodeGraphs' own logic (buckets of rows and slots, rows past the active ones, the first chunk
     prefilled padded into the scratch row and copied to its row) with each "graph" replayed by running
     its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
-    batched, greedy and seeded (a real GPT, fp32). The captured graphs themselves: tests/test_engine_gpu.py."""
+    batched, greedy and seeded (a real GPT, fp32). The warm-up's progress bar counts every capture.
+    The captured graphs themselves: tests/test_engine_gpu.py."""
     from model.engine import DecodeGraphs
 
     class Replay:  # runs the step again and writes its results into the first run's tensors
@@ -459,6 +460,10 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch):
     engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=32, run_ahead=False))
     engine.graphs = DecodeGraphs(engine, compile_blocks=False)
     engine.start()
+    g = engine.graphs
+    total = 2 + len(g.prefills) + len(g.graphs)  # two compile calls, then one a capture
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert bar.startswith("engine warm-up: compile, capture graphs: 100%") and f" {total}/{total} [" in bar, bar
     try:
         alone, together = run(engine, together=False), run(engine, together=True)
         assert engine.graphs.prefill_replays >= len(prompts) and engine.graphs.graphs
