@@ -23,8 +23,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from typing import NamedTuple
 from pathlib import Path
 
 import httpx
@@ -120,66 +120,89 @@ async def stream_clients(n: int):
 
 
 def client_processes(streams: int) -> int:
-    """Client processes for `streams`: one per 8 streams, on at most half the machine's cores. A Python
-    client spends more CPU a streamed token than the server's own loop does
+    """Client processes for `streams`: one per 8 streams, on at most half the cores this process may use.
+    A Python client spends more CPU a streamed token than the server's own loop does above one stream
     (bench/results/http-client-2026-12-04), so at tens of thousands of tokens/s one process of them would
     time itself, not the server."""
-    return max(1, min(-(-streams // 8), (os.cpu_count() or 2) // 2))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(-(-streams // 8), cores // 2))
 
 
-def _client_rounds(url: str, streams: list[int], max_tokens: int, seconds: float, ready, go, out) -> None:
-    """One client process: a connection per stream (`streams`: their indices), a warm-up round, then
-    rounds of all of them at once for at least `seconds`; puts (tokens, CPU seconds, seconds) on `out`."""
+def shares(streams: int, procs: int) -> list[range]:
+    """The streams' indices split into contiguous shares, one a process, none empty (so prompts mix)."""
+    if streams < 1 or procs < 1:
+        raise ValueError(f"need at least one stream and one client process, not {streams} and {procs}")
+    procs = min(procs, streams)
+    return [range(p * streams // procs, (p + 1) * streams // procs) for p in range(procs)]
+
+
+class Rounds(NamedTuple):
+    processes: int
+    tokens: int
+    seconds: float  # wall time from the start signal until the last process finished
+    client_cpu_s: float  # all client processes together
+    busiest_cpu_share: float  # the busiest process's CPU seconds / its own seconds
+    at_start: object  # what at_start() returned
+
+
+def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, go) -> None:
+    """One client process: a connection per stream (`ids`: the streams' indices), a warm-up round, then,
+    once `go` is set, rounds of all of them at once for at least `seconds`. Puts "ready" on `out` after
+    the warm-up, then (tokens, CPU seconds, seconds)."""
     async def run():
-        async with stream_clients(len(streams)) as clients:
-            await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, streams)))
-            ready.wait()
+        async with stream_clients(len(ids)) as clients:
+            await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, ids)))
+            out.put("ready")
             go.wait()
             t, cpu, tokens = time.perf_counter(), time.process_time(), 0
             while not tokens or time.perf_counter() - t < seconds:
-                tokens += sum(await asyncio.gather(*(one_stream(c, url, i, max_tokens)
-                                                     for c, i in zip(clients, streams))))
+                got = sum(await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, ids))))
+                if not got:
+                    raise RuntimeError(f"a round of {len(ids)} streams got no tokens: no usage chunk from {url}?")
+                tokens += got
             out.put((tokens, time.process_time() - cpu, time.perf_counter() - t))
-    try:
-        asyncio.run(run())
-    except BaseException:
-        ready.abort()  # the parent and the other processes stop waiting
-        go.abort()
-        raise
+    asyncio.run(run())
 
 
-def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float, procs: int, at_start=None):
-    """`streams` streams spread over `procs` client processes, each running rounds of its share (see
-    `_client_rounds`). `at_start()` runs after every process has warmed up and before any starts timing;
-    returns (tokens, wall seconds, client CPU seconds, the busiest process's CPU share, at_start's value)."""
+def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float, procs: int,
+                        at_start=None) -> Rounds:
+    """`streams` streams spread over `procs` client processes (at most one a stream), each running rounds of
+    its share (`_client_rounds`). `at_start()` runs after every process has warmed up and before any
+    starts timing. A process that fails stops the run."""
     ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: never fork it
-    ready, go, out = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
-    workers = [ctx.Process(target=_client_rounds, daemon=True,
-                           args=(url, list(range(streams))[p::procs], max_tokens, seconds, ready, go, out))
-               for p in range(procs)]
-    for w in workers:
-        w.start()
-    try:
-        try:
-            ready.wait(timeout=600)
-            snapshot = at_start() if at_start else None
-            go.wait(timeout=60)
-        except threading.BrokenBarrierError:
-            sys.exit("a client process failed before the timing began (its traceback is above)")
-        t, parts = time.perf_counter(), []
-        while len(parts) < procs:
+    out, go = ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_client_rounds, args=(ids, url, max_tokens, seconds, out, go), daemon=True)
+               for ids in shares(streams, procs)]
+
+    def take(n: int, timeout: float) -> list:
+        got, deadline = [], time.monotonic() + timeout
+        while len(got) < n:
             try:
-                parts.append(out.get(timeout=1))
+                got.append(out.get(timeout=1))
             except queue.Empty:
                 if any(w.exitcode not in (None, 0) for w in workers):
                     sys.exit("a client process failed (its traceback is above)")
+                if time.monotonic() > deadline:
+                    sys.exit(f"the client processes gave no answer in {timeout:.0f} s")
+        return got
+
+    for w in workers:
+        w.start()
+    parts: list = []
+    try:
+        take(len(workers), 600)  # every process warmed up
+        snapshot = at_start() if at_start else None
+        go.set()
+        t = time.perf_counter()
+        parts = take(len(workers), 600 + 10 * seconds)
         wall = time.perf_counter() - t
     finally:
-        for w in workers:
-            w.join(timeout=10)
+        for w in workers:  # done by now, unless the run failed: then do not wait for them
+            w.join(timeout=5 if parts else 0)
             if w.is_alive():
                 w.kill()
-    return (sum(p[0] for p in parts), wall, sum(p[1] for p in parts), max(p[1] / p[2] for p in parts), snapshot)
+    tokens, cpu, secs = zip(*parts)
+    return Rounds(len(workers), sum(tokens), wall, sum(cpu), max(c / s for c, s in zip(cpu, secs)), snapshot)
 
 
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:

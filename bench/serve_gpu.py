@@ -179,21 +179,31 @@ def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | Non
               "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
               "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[6]), log_level='warning')")
     out = {}
-    with running_server(["-c", launch, str(model_dir), str(max(levels)), device, str(switch_interval or "default")],
-                        timeout=300) as (base, pid):
+    switch = "default" if switch_interval is None else str(switch_interval)
+    with running_server(["-c", launch, str(model_dir), str(max(levels)), device, switch], timeout=300) as (base, pid):
         for n in levels:
-            p = procs or client_processes(n)
-            tokens, secs, client_cpu, busiest, (before, cpu) = rounds_in_processes(
-                base + "/v1/chat/completions", n, new, min_seconds, p, lambda: (scrape(base), thread_cpu_s(pid, pid)))
+            r = rounds_in_processes(base + "/v1/chat/completions", n, new, min_seconds, procs or client_processes(n),
+                                    lambda: (scrape(base), thread_cpu_s(pid, pid)))
+            (before, cpu), tokens, secs = r.at_start, r.tokens, r.seconds
             cpu, after = thread_cpu_s(pid, pid) - cpu, scrape(base)
             steps, engine_cpu = (after[k] - before[k]
                                  for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds"))
             out[n] = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-                      "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1), "client_processes": p,
-                      "client_cpu_us_per_token": round(1e6 * client_cpu / tokens, 1),
-                      "busiest_client_cpu_share": round(busiest, 3),
+                      "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1), "client_processes": r.processes,
+                      "client_cpu_us_per_token": round(1e6 * r.client_cpu_s / tokens, 1),
+                      "busiest_client_cpu_share": round(r.busiest_cpu_share, 3),
                       **host_share(tokens, int(steps), engine_cpu, secs)}
     return out
+
+
+def positive(kind):
+    """An argparse type: a number of `kind` above zero."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+        return value
+    return parse
 
 
 def main(argv=None) -> dict:
@@ -207,9 +217,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
-    ap.add_argument("--switch-interval", type=float,
+    ap.add_argument("--switch-interval", type=positive(float),
                     help="the server's sys.setswitchinterval in seconds (default: Python's)")
-    ap.add_argument("--client-procs", type=int, help="HTTP client processes (default: bench.serve.client_processes)")
+    ap.add_argument("--client-procs", type=positive(int),
+                    help="HTTP client processes, at most one a stream (default: bench.serve.client_processes)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the HTTP path's overhead with a small model (default: %(default)s)")
     ap.add_argument("--out", help="write the results here as JSON")
@@ -287,7 +298,7 @@ def main(argv=None) -> dict:
             r = http_levels(Path(tmp) / "m", levels, args.new, args.device, args.client_procs,
                             args.switch_interval)
         res["http"] = r
-        res["server_switch_interval_s"] = args.switch_interval or sys.getswitchinterval()
+        res["server_switch_interval_s"] = args.switch_interval or sys.getswitchinterval()  # the same Python's default
         for n in levels:
             e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
             r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)

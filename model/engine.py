@@ -904,7 +904,7 @@ class DecodeGraphs:
                    for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True))
                    if key not in self.graphs]
         with tqdm(total=2 + len(prefills) + len(decodes), desc="engine warm-up: compile, capture graphs",
-                  unit="step", file=sys.stderr, mininterval=2.0) as bar:
+                  unit="graph", file=sys.stderr, mininterval=2.0) as bar:
             for b in (1, 2):
                 e.cache.lengths.zero_()  # kv_len bounds every row's length after the call
                 view = e.cache.view(0, b)
