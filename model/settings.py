@@ -92,6 +92,19 @@ class Settings:
             typed[k] = _from_text(text, hints[k], join(cls.KEY, k))
         return cls(**typed)
 
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """field -> its docstring on one line (the source's string after each field), so a command line's
+        help says what the class says instead of restating it."""
+        import ast
+        import inspect
+        import textwrap
+
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        return {item.target.id: " ".join(after.value.value.split())
+                for item, after in zip(body, body[1:])
+                if isinstance(item, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)}
+
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults (what a label or a probe row records)."""
         default = type(self)()

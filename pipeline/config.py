@@ -19,8 +19,7 @@ from typing import ClassVar, Literal
 import yaml
 
 from model.precision.options import (BACKEND_NAMES, BACKEND_OPTIONS, AutoOptions, BackendName, Fp8Options, LayerFilter,
-                                     Nvfp4Options, Options, TEFp8Options, TERecipe, choices,
-                                     parse_entry)
+                                     Nvfp4Options, Options, ProbeOptions, TEFp8Options)
 from model.settings import SettingError, Settings
 from sparkchat import paths
 
@@ -360,40 +359,6 @@ class RuntimeParams(Settings):
 
 
 @dataclass
-class ProbeParams(Settings):
-    """`sparkchat probe` / `dvc repro bench/dvc.yaml`: every backend for a few steps on this machine."""
-    KEY: ClassVar[str] = "probe"
-    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2}
-    steps: int = 20
-    """Training steps per entry."""
-    depth: int = 4
-    """Model depth: width 64 x depth, in heads of 128 (nanochat's dial). nvfp4 keeps its last 2 blocks in
-    bf16, so a deeper model leaves it layers to convert."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    batch: int = 4
-    """Sequences per step."""
-    vocab: int = 2048
-    """Vocabulary of the model and of its synthetic data."""
-    seed: int = 0
-    """Seed of the model and of the data."""
-    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
-                                                         "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
-    """Entries: a backend name, or name:key=value[,key=value] with the keys of its options
-    (fp8:scaling=delayed, te-fp8:current for its recipe, fp8:skip= for a layer skip list of its own)."""
-    te_recipes: list[TERecipe] = field(default_factory=lambda: list(choices(TERecipe)))
-    """Recipes a bare `te-fp8` entry expands to."""
-
-    def check(self, key: str) -> None:
-        super().check(key)
-        for i, text in enumerate(self.backends):
-            try:
-                parse_entry(text)
-            except ConfigError as e:
-                raise ConfigError(f"{key}.backends[{i}]: {e}") from None
-
-
-@dataclass
 class Params(Settings):
     """params.yaml: one section per concern, each stage reading those STAGE_SECTIONS names."""
     profile: str = ""
@@ -407,8 +372,8 @@ class Params(Settings):
     midtrain: TrainParams = field(default_factory=_default_mid)
     sft: TrainParams = field(default_factory=_default_sft)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
-    probe: ProbeParams = field(default_factory=ProbeParams)
-    """`sparkchat probe` and bench/dvc.yaml's probe stage."""
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+    """`sparkchat probe` and bench/dvc.yaml's probe stage (model/precision/options.py ProbeOptions)."""
 
     def backend_for(self, stage: str) -> str:
         return getattr(self, stage).backend or self.precision.backend

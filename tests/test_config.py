@@ -224,11 +224,11 @@ def test_config_and_probe_help_load_without_torch():
 
 
 def test_every_probe_flag_has_help_with_its_default():
-    from pipeline.config import ProbeParams
+    from model.precision.options import ProbeOptions
     from pipeline.probe import parser
 
     actions = [a for a in parser()._actions if a.dest != "help"]
     for a in actions:
         assert a.help and "(default: " in a.help, a.option_strings
     steps = next(a for a in actions if a.dest == "steps")
-    assert f"(default: {ProbeParams().steps})" in steps.help
+    assert f"(default: {ProbeOptions().steps})" in steps.help

@@ -196,3 +196,40 @@ def parse_entry(text: str) -> Entry:
         raise OptionError(f"probe entry '{text}': {e}") from None
     return Entry(text, name, options, skip)
 
+
+# -- the probe's settings ------------------------------------------------------------------------------
+
+@dataclass
+class ProbeOptions(Settings):
+    """What the precision probe runs (model/precision/probe.py `run_probe`): params.yaml's `probe:` section,
+    read by `sparkchat probe` (whose flags override each field) and bench/dvc.yaml's probe stage."""
+    KEY: ClassVar[str] = "probe"
+    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2}
+    steps: int = 20
+    """Training steps per entry."""
+    depth: int = 4
+    """Model depth: width 64 x depth, in heads of 128 (nanochat's dial). nvfp4 keeps its last 2 blocks in
+    bf16, so a deeper model leaves it layers to convert."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    batch: int = 4
+    """Sequences per step."""
+    vocab: int = 2048
+    """Vocabulary of the model and of its synthetic data."""
+    seed: int = 0
+    """Seed of the model and of the data."""
+    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
+                                                         "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
+    """Entries: a backend name, or name:key=value[,key=value] with the keys of its options (params.yaml's
+    precision.<backend>), e.g. fp8:scaling=delayed, te-fp8:current (a recipe) or fp8:skip= (a layer skip
+    list of its own; empty: every Linear converts, the head too)."""
+    te_recipes: list[TERecipe] = field(default_factory=lambda: list(choices(TERecipe)))
+    """Recipes a bare `te-fp8` entry expands to."""
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        for i, text in enumerate(self.backends):
+            try:
+                parse_entry(text)
+            except SettingError as e:
+                raise SettingError(f"{key}.backends[{i}]: {e}") from None

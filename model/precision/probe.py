@@ -32,7 +32,7 @@ from model.gpt import GPT, GPTConfig
 from model.optim import build_optimizer
 
 from .base import compile_model, describe_device
-from .options import Entry, LayerFilter, TERecipe, TEFp8Options, choices, parse_entry
+from .options import Entry, LayerFilter, ProbeOptions, TERecipe, TEFp8Options, choices, parse_entry
 from .registry import get_backend
 
 
@@ -193,16 +193,16 @@ class StepClock:
         return self.t[1] - self.t[0], self.t[2] - self.t[0]
 
 
-def run_probe(*, steps: int, depth: int, seq_len: int, batch: int, vocab: int, backends: list[str], seed: int = 0,
-              te_recipes: list[str] | None = None, tokens: str | None = None, device: str | None = None,
-              compile: bool = True, peak_tflops: float = 989.0, layer_filter: LayerFilter | None = None,
-              lrs: tuple = (0.02, 0.2, 0.004), out_dir: str | None = None, log=print) -> dict:
-    """Probe every entry of `backends`; returns the probe.json dict (and writes probe.json/probe.md to
-    out_dir). The shape and the entries have no defaults here: the command's are params.yaml's `probe:`
-    section (pipeline/config.py ProbeParams)."""
+def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str | None = None, compile: bool = True,
+              peak_tflops: float = 989.0, layer_filter: LayerFilter | None = None, lrs: tuple = (0.02, 0.2, 0.004),
+              out_dir: str | None = None, log=print) -> dict:
+    """Probe every entry of `settings.backends` (the shape, steps and entries: params.yaml's `probe:`
+    section, options.ProbeOptions); returns the probe.json dict (and writes probe.json/probe.md to out_dir)."""
+    steps, depth, seq_len, batch, vocab, seed = (settings.steps, settings.depth, settings.seq_len, settings.batch,
+                                                 settings.vocab, settings.seed)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = model_config(depth, seq_len, vocab)
-    entries = expand_entries(backends, te_recipes)
+    entries = expand_entries(settings.backends, settings.te_recipes)
     layer_filter = layer_filter or LayerFilter()
     log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
         f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}")
