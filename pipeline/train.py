@@ -32,6 +32,7 @@ from model.gpt import GPT, GPTConfig
 from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
+from model.peak_flops import peak_flops
 from model.precision import get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
@@ -56,14 +57,6 @@ CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, ea
                    "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
                    "one removes them.\n")
 TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "gpu_idle_frac")  # in the metrics, not the model dir
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 class GpuIdle:
@@ -284,7 +277,9 @@ def train(stage: str | None, p: Params) -> dict:
     tbytes = token_bytes(tok, device)
     # the same validation batches on any number of ranks (each rank runs its share)
     eval_batches = max(1, t.eval_tokens // (val_batches.batch * seq_len))
-    flops, peak = raw_model.flops_per_token(), peak_flops(device)
+    flops, (peak, peak_about) = raw_model.flops_per_token(), peak_flops(device)
+    if device.type == "cuda":
+        log(f"{stage}: {peak_about}")
     # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
     # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
     # rewrites the rows before its checkpoint and the plot (and its dvc.lock hash) match an unbroken run

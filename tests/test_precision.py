@@ -570,3 +570,19 @@ def test_bench_variant_modifiers():
     assert parse_variant("fp8:skip=@cudnn")[2:] == ("cudnn", LayerFilter(16, []))
     with pytest.raises(ValueError, match="unknown variant modifier @bthd"):
         parse_variant("bf16@bthd")
+
+
+def test_peak_flops_by_device_and_none_for_an_unknown_gpu(monkeypatch):
+    """MFU's denominator comes from one table by device name (a variant before its family); a GPU not in
+    it, or a CPU, gets no peak and a reason naming the device and the table, never another GPU's peak."""
+    from model.peak_flops import peak_flops
+
+    for name, tflops in [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+                         ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA B200", 2250)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        peak, about = peak_flops("cuda")
+        assert peak == tflops * 1e12 and name in about, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GB10")
+    peak, about = peak_flops("cuda")
+    assert peak is None and "no MFU" in about and "NVIDIA GB10" in about and "PEAK_BF16_TFLOPS" in about
+    assert peak_flops("cpu")[0] is None
