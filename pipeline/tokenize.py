@@ -219,7 +219,7 @@ def main(argv=None) -> None:
     except (TokenizeError, DataError) as e:
         raise SystemExit(f"tokenize: {e}") from None
     timings = {k: stats.pop(k) for k in ("text_mb_per_s", "text_tokens_per_s")}
-    write_reports("tokenize", stats, timings)
+    write_reports("tokenize", details=stats, timings=timings)  # token counts (no headline metric), MB/s
     print(f"tokenize: {stats['pretrain_train_tokens']:,} train / {stats['pretrain_val_tokens']:,} val tokens of text "
           f"({stats['bytes_per_token']} bytes a token, {timings['text_mb_per_s']} MB/s); {stats['mid_train_tokens']:,} "
           f"midtrain, {stats['sft_train_tokens']:,} sft, {stats['chat_val_tokens']:,} chat val tokens", file=sys.stderr)

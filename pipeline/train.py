@@ -43,7 +43,7 @@ from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, r
                          save_sharded, set_rng_state)
 from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
 from .data import ChatBatches, DataError, TokenStream, open_tokens
-from .metrics import TSVLog, write_reports
+from .metrics import VAL_BPB, TSVLog, write_reports
 from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
@@ -469,16 +469,18 @@ def save(run: Run, done: int, history: dict) -> None:
 
 
 def finish(run: Run, progress: Progress, history: dict) -> dict:
-    """The model directory, the reports (metrics, timings: pipeline/metrics.py), and the checkpoints removed;
-    returns both reports' values in one dict."""
+    """The model directory, the reports (headline metrics, details, timings: pipeline/metrics.py), and the
+    checkpoints removed; returns the three reports' values in one dict."""
     stage, steps, raw_model = run.stage, run.steps, run.model
     backend, out_dir = run.backend, STAGES[stage][3]
-    # what the inputs decide: the metrics, and what the model directory records (meta.json): no timings, so
-    # the same run gives the same hash
+    # what the model directory records (meta.json): what the inputs decide, no timings, so the same run gives
+    # the same hash
     record = {"steps": steps, "final_loss": round(progress.loss, 4),
               "val_bpb": round(history.get("val_bpb", float("nan")), 4), "params": raw_model.num_params(),
               "backend": backend.name, "backend_label": backend.label, "emulated": backend.emulated,
               "device": str(run.device), "tokens": steps * run.grad_accum * run.tokens_per_micro}
+    headline = {"train_loss": record["final_loss"], VAL_BPB[stage]: record["val_bpb"]}
+    details = {k: v for k, v in record.items() if k not in ("final_loss", "val_bpb")}
     timings = {"tokens_per_s": round(progress.tokens_per_s)}  # the last logged step's
     if progress.mfu:
         timings["mfu"] = round(progress.mfu, 4)
@@ -489,14 +491,14 @@ def finish(run: Run, progress: Progress, history: dict) -> dict:
     weights = full_state_dict(raw_model) if run.sharded else None  # gathered onto rank 0 (every rank takes part)
     if run.rank == 0:
         save_model_dir(out_dir, raw_model, run.tok, extra={"stage": stage, **record}, state_dict=weights)
-        write_reports(stage, record, timings)
+        write_reports(stage, headline, details, timings)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
         remove_checkpoints(run.ckpt_path)
-        log(f"{stage}: done: loss {record['final_loss']}, val bpb {record['val_bpb']}, model in {out_dir}")
+        log(f"{stage}: done: loss {record['final_loss']}, {VAL_BPB[stage]} {record['val_bpb']}, model in {out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {**record, **timings}
+    return {**headline, **details, **timings}
 
 
 def train(stage: str | None, p: Params) -> dict:

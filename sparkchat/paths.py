@@ -68,7 +68,14 @@ def token_index(split: Path) -> Path:
 
 
 def metrics_file(stage: str) -> Path:
+    """A stage's headline metrics: what `dvc metrics show` and `dvc exp show` list by default."""
     return REPORTS / stage / "metrics.json"
+
+
+def details_file(stage: str) -> Path:
+    """The rest of what a stage's inputs decide (counts, the backend, the device): a DVC output git keeps, not
+    a declared metric, so the default table stays narrow; `dvc metrics show <file>` shows it."""
+    return REPORTS / stage / "details.json"
 
 
 # Timings and throughput (tokens/s, MB/s, MFU, idle time): the same inputs give other numbers on every run and

@@ -131,8 +131,9 @@ def test_repro_noop_and_param_change(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "x 2 rank(s)" in out and "fp8[delayed,history=16]" in out and "sft: done" in out
     sft_metrics = json.loads((proj / paths.metrics_file("sft")).read_text())
-    assert math.isfinite(sft_metrics["final_loss"])
-    assert sft_metrics["backend_label"] == "fp8[delayed,history=16]"  # the options, for dvc metrics show
+    assert math.isfinite(sft_metrics["train_loss"])
+    sft_details = json.loads((proj / paths.details_file("sft")).read_text())
+    assert sft_details["backend_label"] == "fp8[delayed,history=16]"  # the options, one file from dvc metrics show
 
 
 def kill_pretrain_when(proj: Path, appears: Path) -> None:
@@ -162,9 +163,9 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     r = dvc(proj, "repro", "pretrain")
     assert "resuming from checkpoint at step" in r.stderr
     got = json.loads((proj / paths.metrics_file("pretrain")).read_text())
-    assert got["steps"] == want["steps"]
-    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-3)
-    assert got["val_bpb"] == pytest.approx(want["val_bpb"], abs=1e-3)
+    assert (proj / paths.details_file("pretrain")).read_text() == (ref / paths.details_file("pretrain")).read_text()
+    assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-3)
+    assert got["val_bpb_text"] == pytest.approx(want["val_bpb_text"], abs=1e-3)
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
     plot = paths.plot_file("pretrain")
     assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"
@@ -185,4 +186,4 @@ def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):
     assert re.search(rf"moved aside to {re.escape(str(ckpt))}\.damaged-\S+; resuming from checkpoint at step \d+ "
                      rf"of {re.escape(str(ckpt.with_name('prev.pt')))}", r.stderr), r.stderr[-3000:]
     assert len(list((proj / ckpt.parent).glob("last.pt.damaged-*"))) == 1
-    assert json.loads((proj / paths.metrics_file("pretrain")).read_text())["steps"] == 40
+    assert json.loads((proj / paths.details_file("pretrain")).read_text())["steps"] == 40

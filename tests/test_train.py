@@ -59,8 +59,8 @@ def idle_with_loader_delay(project, monkeypatch, delay_s: float) -> float:
 
 
 def test_reports_keep_timings_out_of_what_git_tracks(project, monkeypatch):
-    """The metrics (DVC metrics git keeps) hold only what the inputs decide; tokens/s, MFU and idle time go to
-    the git-ignored timings report, and the returned values hold both."""
+    """The headline metrics and the details (DVC outputs git keeps) hold only what the inputs decide; tokens/s,
+    MFU and idle time go to the git-ignored timings report, and the returned values hold all three."""
     import json
 
     from pipeline.train import train
@@ -68,12 +68,13 @@ def test_reports_keep_timings_out_of_what_git_tracks(project, monkeypatch):
     root, p = project
     monkeypatch.chdir(root)
     values = train("pretrain", p)
-    metrics, timings = (json.loads(f.read_text()) for f in (paths.metrics_file("pretrain"),
-                                                              paths.timings_file("pretrain")))
+    headline, details, timings = (json.loads(f.read_text()) for f in (
+        paths.metrics_file("pretrain"), paths.details_file("pretrain"), paths.timings_file("pretrain")))
+    assert set(headline) == {"train_loss", "val_bpb_text"}
     assert {"tokens_per_s", "tokens_per_s_sustained", "idle_frac"} <= set(timings)
-    assert not set(timings) & set(metrics)
-    assert {**metrics, **timings} == values
-    assert metrics["steps"] == 8 and metrics["tokens"] == 8 * 1024
+    assert not set(timings) & (set(headline) | set(details))
+    assert {**headline, **details, **timings} == values
+    assert details["steps"] == 8 and details["tokens"] == 8 * 1024
 
 
 def test_waiting_for_a_batch_counts_as_idle(project, monkeypatch):
