@@ -120,8 +120,10 @@ def main(argv=None):
     md = to_markdown(rows, f"GEMM level: width {a.width}, {a.tokens} tokens, {torch.cuda.get_device_name()}")
     result = {"gemm": rows}
     if a.model:
+        from model.precision.options import ProbeOptions
         from model.precision.probe import run_probe, to_markdown as probe_md
-        probe = run_probe(steps=a.steps, depth=a.depth, seq_len=2048, batch=32, vocab=65536, backends=a.backends)
+        probe = run_probe(ProbeOptions(steps=a.steps, depth=a.depth, seq_len=2048, batch=32, vocab=65536,
+                                       backends=a.backends))
         result["model"] = probe
         md += "\n" + probe_md(probe)
     print(md)
