@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 
-from sparkchat import paths
+from sparkchat import paths, start
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
 
@@ -77,7 +77,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    missing = paths.missing_model(args.model)
+    missing = start.missing_model(args.model)
     if missing:
         raise SystemExit(f"sparkchat serve: {missing}")
     sock = bind(args.host, args.port)

@@ -13,7 +13,7 @@ import argparse
 import queue
 import sys
 
-from sparkchat import paths
+from sparkchat import paths, start
 
 DIM, PLAIN = "\033[2m", "\033[0m"
 
@@ -46,7 +46,7 @@ def undecodable(line: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
-    missing = paths.missing_model(args.model)
+    missing = start.missing_model(args.model)
     if missing:  # before torch loads: said at once
         ap.error(missing)
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback

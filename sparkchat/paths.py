@@ -73,20 +73,3 @@ def metrics_file(stage: str) -> Path:
 def plot_file(stage: str) -> Path:
     """A training stage's loss curve, or evaluate's scores per task."""
     return REPORTS / stage / ("scores.tsv" if stage == "evaluate" else "loss.tsv")
-
-
-def missing_model(path) -> str | None:
-    """What to do when the model directory `path` is not there (None when it is): the check `sparkchat
-    serve` and `sparkchat chat` make before they import torch, so a clone with nothing trained hears it
-    at once. Whether a directory that is there holds a model is model.model_dir's to say."""
-    path = Path(path)
-    if path.is_dir():
-        return None
-    where = f"{path}" if path.is_absolute() else f"{path} (in {Path.cwd()})"
-    if path.exists():
-        return f"the model directory {where} is a file, not a directory: pass --model DIR"
-    if path == CHAT_MODEL:
-        return (f"no model at {where} yet: train the default chat model with `make repro` (from the project's "
-                f"root), or pass --model DIR (a sparkchat model directory, or a Hugging Face NanoChat one)")
-    return (f"the model directory {where} does not exist: pass --model the path of one (`make repro` trains "
-            f"the default into {CHAT_MODEL})")
