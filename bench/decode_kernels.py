@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from bench.decode_step import replay_ms
 from bench.gemv import MAX_ROWS, gemv
 from bench.serve_gpu import save
-from model import engine
+from model.sampling import sample, sample_sorted
 
 LAYERS, WIDTH, HEADS, HEAD_DIM, SLOTS = 20, 1280, 10, 128, 256
 
@@ -119,7 +119,7 @@ def old_sample(logits, temperature, top_k, top_p, uniform, k_max):
     """The sampler as it was before ties were ordered by id: topk sorted by CUDA's own kernel."""
     scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
     vals, idx = scaled.topk(k_max, dim=-1)
-    return engine.sample_sorted(vals, idx, temperature, top_k, top_p, uniform)
+    return sample_sorted(vals, idx, temperature, top_k, top_p, uniform)
 
 
 def sampling(rows: int, res: dict) -> None:
@@ -134,8 +134,8 @@ def sampling(rows: int, res: dict) -> None:
     p = torch.full((rows,), 0.9, device="cuda")
     u = torch.rand(rows, device="cuda", generator=g)
     want = None
-    for name, fn, k_max in (("topk sorted (old)", old_sample, 256), ("ties by id, places counted (engine)", engine.sample, 256),
-                            ("whole vocabulary sorted (engine)", engine.sample, 0)):
+    for name, fn, k_max in (("topk sorted (old)", old_sample, 256), ("ties by id, places counted (engine)", sample, 256),
+                            ("whole vocabulary sorted (engine)", sample, 0)):
         f = torch.compile(fn, dynamic=True)
         try:
             first = f(logits, t, k, p, u, k_max)

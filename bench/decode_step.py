@@ -22,9 +22,9 @@ import statistics
 import torch
 
 from bench.serve_gpu import copy_bandwidth, d_model, save
-from model import engine as engine_mod
-from model import gpt
-from model.engine import RANKED_K, Engine, EngineConfig, TOP_K, TEMPERATURE, TOP_P, UNIFORM
+from model import decode_graphs, gpt
+from model.engine import Engine, EngineConfig
+from model.sampling import RANKED_K, TEMPERATURE, TOP_K, TOP_P, UNIFORM
 
 
 def replay_ms(graph, reps: int = 5, n: int = 50, before=None) -> float:
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
 
     # name -> (patches applied before the engine is built, a change to the built engine)
     variants = {"step": ([], None),
-                "forward only": ([(engine_mod, "sample", no_sampling)], None),
+                "forward only": ([(decode_graphs, "sample", no_sampling)], None),
                 "no attention": ([(gpt.Attention, "forward", cacheless_attention)], None),
                 "whole model compiled": ([], whole_model),
                 "sdpa attention": ([], sdpa_attention),

@@ -31,13 +31,14 @@ class ConfigError(ValueError):
 class ModelParams:
     depth: int = 4
     """The one dial: number of transformer blocks. Width = depth * aspect_ratio."""
-    aspect_ratio: int = 64
-    """Width per layer of depth (nanochat uses 64)."""
-    head_dim: int = 64
+    aspect_ratio: int = 32
+    """Width per layer of depth: 32 keeps the default model narrow for a 2-core CPU (nanochat and the GPU
+    profiles use 64)."""
+    head_dim: int = 32
     """Channels per attention head (128 on GPU)."""
-    kv_head_ratio: int = 1
+    kv_head_ratio: int = 2
     """Query heads per key/value head (grouped-query attention); 1 = plain multi-head."""
-    seq_len: int = 256
+    seq_len: int = 128
     """Training context length in tokens."""
 
     @property
@@ -70,6 +71,7 @@ class DataParams:
     text_field: str = "text"
     """Column holding the text in local/hub text sources."""
     hub_split: str = "train"
+    """Split of a hub dataset to read."""
     max_docs_per_source: int = 0
     """Cap on documents/conversations read from each source (0 = all; hub chat sources need a cap)."""
     pretrain_tokens: int = 0
@@ -78,7 +80,9 @@ class DataParams:
     params), at least the tokenizer's train_chars and enough validation text for pretrain.eval_tokens,
     x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
     val_fraction: float = 0.05
-    synthetic_train: int = 24000
+    """Share held out for validation: of the pretraining text's chunks (each by a hash of its text) and of the
+    shuffled conversations."""
+    synthetic_train: int = 12000
     """Generated training exchanges (arithmetic, spelling, facts, identity, multiple choice)."""
     synthetic_multi_turn: float = 0.5
     """Share of the generated exchanges asked once more inside conversations of two or three exchanges
@@ -87,6 +91,7 @@ class DataParams:
     synthetic_eval: int = 200
     """Held-out generated items per eval task (never in training data)."""
     seed: int = 1337
+    """Seed of the generated exchanges, of the conversations' shuffle and of the validation split."""
 
     def check(self, key: str) -> None:
         if not self.pretrain_sources:
@@ -105,7 +110,8 @@ class DataParams:
 
 @dataclass
 class TokenizerParams:
-    vocab_size: int = 4096
+    vocab_size: int = 2048
+    """Tokens in the vocabulary: 256 bytes, the special tokens and the learned merges."""
     train_chars: int = 3_000_000
     """Characters of training text the BPE is trained on."""
 
@@ -149,28 +155,43 @@ class TrainParams:
     """Precision backend for this stage; empty = precision.backend."""
     total_batch_tokens: int = 8192
     """Tokens per optimizer step across all ranks (gradient accumulation fills the gap)."""
-    device_batch: int = 16
+    device_batch: int = 32
     """Sequences per micro-step on one device."""
     steps: int = 0
     """Optimizer steps; 0 = derive (pretrain: param_data_ratio x params tokens; others: epochs)."""
-    param_data_ratio: float = 20.0
-    """Pretrain token budget as tokens per parameter when steps = 0 (Chinchilla ~20)."""
+    param_data_ratio: float = 1.0
+    """Pretrain only: its token budget as tokens per matmul parameter when steps = 0. 1 keeps the CPU
+    default to minutes; Chinchilla's ~20 is what the GPU profiles use."""
     epochs: float = 1.0
     """Midtrain/SFT passes over their data when steps = 0."""
     matrix_lr: float = 0.02
+    """Learning rate of the matrices (Muon, or AdamW with use_muon false)."""
     embedding_lr: float = 0.2
+    """AdamW learning rate of the token embeddings."""
     head_lr: float = 0.004
+    """AdamW learning rate of the output head."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     use_muon: bool = True
+    """Muon for the matrices; false: AdamW for everything."""
     warmup_frac: float = 0.0
+    """Share of the steps the learning rate ramps up over."""
     warmdown_frac: float = 0.4
+    """Share of the steps at the end over which it falls linearly to final_lr_frac."""
     final_lr_frac: float = 0.0
+    """The learning rate at the last step, as a share of the peak."""
     grad_clip: float = 1.0
+    """Largest gradient norm (0 = no clipping)."""
     eval_every: int = 100
-    eval_tokens: int = 65536
-    checkpoint_every: int = 50
-    log_every: int = 10
+    """Steps between validation passes (and one at the end)."""
+    eval_tokens: int = 32768
+    """Validation tokens per pass, the same on any number of ranks."""
+    checkpoint_every: int = 25
+    """Steps between checkpoints (a killed stage resumes from the last one)."""
+    log_every: int = 5
+    """Steps between rows of the loss plot (each a host sync)."""
     seed: int = 42
+    """Seed of the initial weights (pretrain), of torch's generator and of the conversations' order (SFT)."""
 
     def check(self, key: str) -> None:
         if self.backend:
@@ -190,11 +211,12 @@ class TrainParams:
 
 
 def _default_mid() -> TrainParams:
-    return TrainParams(epochs=1.0, warmdown_frac=0.5, matrix_lr=0.01, embedding_lr=0.1, head_lr=0.002)
+    return TrainParams(warmdown_frac=0.5, matrix_lr=0.01, embedding_lr=0.1, head_lr=0.002)
 
 
 def _default_sft() -> TrainParams:
-    return TrainParams(epochs=1.0, warmdown_frac=1.0, matrix_lr=0.005, embedding_lr=0.05, head_lr=0.001)
+    return TrainParams(total_batch_tokens=4096, warmdown_frac=1.0, matrix_lr=0.005, embedding_lr=0.05, head_lr=0.001,
+                       eval_tokens=16384)
 
 
 @dataclass
@@ -208,22 +230,28 @@ class BenchmarkParams:
     earlier turns of the conversation for chat models."""
 
 
+def _fixture(name: str):
+    """A benchmark's default source: the few items of it committed under tests/fixtures/evals (the real
+    dataset's schema), so the default run scores every benchmark offline; the GPU profiles name the hub."""
+    return field(default_factory=lambda: BenchmarkParams(f"tests/fixtures/evals/{name}.jsonl"))
+
+
 @dataclass
 class BenchmarksParams:
     """The field's benchmarks, in their own schemas. Base models are scored by log-likelihood,
     chat models by generation (pipeline/evaluate.py says which is which)."""
-    arc_easy: BenchmarkParams = field(default_factory=BenchmarkParams)
+    arc_easy: BenchmarkParams = _fixture("arc_easy")
     """ARC-Easy (hub:allenai/ai2_arc:ARC-Easy): grade-school science, 3-5 choices."""
-    arc_challenge: BenchmarkParams = field(default_factory=BenchmarkParams)
+    arc_challenge: BenchmarkParams = _fixture("arc_challenge")
     """ARC-Challenge (hub:allenai/ai2_arc:ARC-Challenge): the questions simple methods got wrong."""
-    mmlu: BenchmarkParams = field(default_factory=BenchmarkParams)
+    mmlu: BenchmarkParams = _fixture("mmlu")
     """MMLU (hub:cais/mmlu:all): 57 subjects, 4 choices, answered with a letter."""
-    hellaswag: BenchmarkParams = field(default_factory=BenchmarkParams)
+    hellaswag: BenchmarkParams = _fixture("hellaswag")
     """HellaSwag (hub:Rowan/hellaswag): the most plausible of 4 endings of an everyday scene."""
-    lambada: BenchmarkParams = field(default_factory=BenchmarkParams)
+    lambada: BenchmarkParams = _fixture("lambada")
     """LAMBADA (hub:EleutherAI/lambada_openai:default): the last word of a passage (language modelling;
     base models only)."""
-    gsm8k: BenchmarkParams = field(default_factory=BenchmarkParams)
+    gsm8k: BenchmarkParams = _fixture("gsm8k")
     """GSM8K (hub:openai/gsm8k:main): grade-school word problems, the number after '####' (chat models
     only)."""
 
@@ -233,7 +261,7 @@ BENCHMARK_FILE_TYPES = (".jsonl", ".json", ".parquet")
 
 @dataclass
 class EvaluateParams:
-    max_items: int = 200
+    max_items: int = 100
     """Items per eval task: the held-out synthetic items, and of each benchmark a seeded sample."""
     max_new_tokens: int = 48
     """Tokens a chat model may generate per answer."""

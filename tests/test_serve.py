@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import SlowModel
 from model.chat import display_words, render
 from serve.api import Settings, create_app
 from serve.runtime import Runtime
@@ -29,17 +30,6 @@ def server(serve_start, serve_model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-class SlowModel:
-    """Wraps the engine's model so each forward takes `delay` seconds: requests stay in flight."""
-
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
-
-    def __call__(self, *a, **kw):
-        time.sleep(self.delay)
-        return self.model(*a, **kw)
 
 
 @pytest.fixture(scope="module")
