@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   OpenAI chat completions, JSON or SSE (`stream: true`)
     POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
+    POST /v1/responses          OpenAI responses, for text: JSON or SSE events (responses.py)
     GET  /v1/models             the one served model
     GET  /health                503 while the model loads (or failed to), then 200
     GET  /metrics               Prometheus text format
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, responses, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -108,6 +109,16 @@ async def text_completions(body: CompletionRequest, request: Request):
         return StreamingResponse(completions.stream(body, runtime, prompts), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     return await completions.complete(body, runtime, prompts, request)
+
+
+@router.post("/v1/responses", response_model=responses.ResponseObject, responses=STREAMED)
+async def create_response(body: responses.ResponsesRequest, request: Request):
+    runtime = get_runtime(request)
+    prompt = responses.check(body, runtime)
+    if body.stream:
+        return StreamingResponse(responses.stream(body, runtime, prompt), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await responses.create(body, runtime, prompt, request)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)

@@ -39,14 +39,19 @@ def _max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 
 
-def check_common(req: _Sampling, runtime: Runtime) -> None:
-    """The checks both endpoints make beyond their schemas."""
+def check_supported(req, runtime: Runtime) -> None:
+    """Every endpoint's first checks: no parameter this server would have to ignore, and its model."""
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server", bad[0], "unsupported_parameter")
     if req.model != runtime.model_id:
         raise APIError(404, f"The model '{req.model}' does not exist (this server serves "
                             f"'{runtime.model_id}')", "model", "model_not_found")
+
+
+def check_common(req: _Sampling, runtime: Runtime) -> None:
+    """The checks both completions endpoints make beyond their schemas."""
+    check_supported(req, runtime)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     outside = [i for i in req.bias() or {} if i >= runtime.vocab_size]

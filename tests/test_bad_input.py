@@ -47,9 +47,14 @@ def refused(r: httpx.Response) -> dict:
     ("/v1/chat/completions", {"messages": HI, "stop": LONE}, "stop"),
     ("/v1/chat/completions", {"messages": HI, "user": LONE}, "user"),
     ("/v1/chat/completions", {"messages": HI, "model": LONE}, "model"),  # quoted by the 404: must not reach it
+    ("/v1/responses", {"input": LONE}, "input"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": LONE}]}]},
+     "input[0].content[0].text"),
+    ("/v1/responses", {"input": "Hi", "instructions": LONE}, "instructions"),
 ])
 def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
-    err = refused(post(server, path, {"model": "sparkchat", "max_tokens": 2, **body}))
+    budget = {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    err = refused(post(server, path, {"model": "sparkchat", **budget, **body}))
     assert err["param"] == param and "surrogate" in err["message"], err
     assert httpx.get(server.url + "/health").status_code == 200
 
