@@ -46,7 +46,7 @@ def sdpa_backend(name: str):
 
 def cuda_rounds(fn, rounds: int, calls: int, warmup: int = 3) -> list[float]:
     """Milliseconds a call in each of `rounds` rounds of `calls` calls back to back (CUDA events), after
-    `warmup` calls: rounds long enough that a kernel of microseconds is not timed one launch at a time."""
+    `warmup` calls: a round of many calls for a kernel of microseconds, one call for a training step."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -59,22 +59,6 @@ def cuda_rounds(fn, rounds: int, calls: int, warmup: int = 3) -> list[float]:
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b) / calls)
-    return out
-
-
-def cuda_time(fn, iters: int, warmup: int = 2) -> list[float]:
-    """Milliseconds of each of `iters` calls, CUDA events, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
     return out
 
 
@@ -91,7 +75,7 @@ def attention_bench(batch, heads, seq, head_dim, iters, log) -> list[dict]:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             y.backward(go)
         try:
-            ms = statistics.median(cuda_time(step, iters))
+            ms = statistics.median(cuda_rounds(step, iters, 1))
         except Exception as e:
             log(f"attention {name:9s} FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -108,7 +92,7 @@ def per_matrix_muon_ms(model, iters) -> float:
     def step():
         for g in grads:
             orthogonalize(g)
-    return statistics.median(cuda_time(step, iters))
+    return statistics.median(cuda_rounds(step, iters, 1))
 
 
 def kernel_breakdown(fn) -> tuple[dict, list, float]:
@@ -179,8 +163,8 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
     micro()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    micro_ms = cuda_time(micro, iters)
-    opt_ms = cuda_time(opt.step, max(3, iters // 2))
+    micro_ms = cuda_rounds(micro, iters, 1)
+    opt_ms = cuda_rounds(opt.step, max(3, iters // 2), 1)
     opt.zero_grad(set_to_none=True)
     micro()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -196,7 +180,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
             micro()
             opt.step()
         opt.zero_grad(set_to_none=True)
-        trained = cuda_time(micro, iters)
+        trained = cuda_rounds(micro, iters, 1)
         res.update(train_steps=train_steps, micro_ms_trained=statistics.median(trained), micro_ms_trained_all=trained,
                    micro_tok_s_trained=batch * cfg.seq_len / statistics.median(trained) * 1e3)
     if profile:

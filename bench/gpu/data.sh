@@ -12,7 +12,7 @@
 set -o pipefail
 cd "$(dirname "$0")/../.." || exit 1
 SIZE=${1:-5GB} STEPS=${STEPS:-40} PARTS=${PARTS:-8} T=${SCRATCH:-/tmp}
-OUT=${OUT:-/tmp/sparkchat-bench/data}
+OUT=$(realpath -m "${OUT:-/tmp/sparkchat-bench/data}")  # absolute: the script moves into the clone
 CORPUS=$T/sparkchat-corpus
 mkdir -p "$OUT" "$CORPUS"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

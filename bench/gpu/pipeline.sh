@@ -14,7 +14,7 @@
 # times, exp show, metrics show, params diff), results.tar (reports/, params.yaml, dvc.lock, exp show).
 set -o pipefail
 cd "$(dirname "$0")/../.." || exit 1
-T=${SCRATCH:-/tmp} OUT=${OUT:-/tmp/sparkchat-bench/pipeline}
+T=${SCRATCH:-/tmp} OUT=$(realpath -m "${OUT:-/tmp/sparkchat-bench/pipeline}")
 SRC=$PWD SITE=$T/sparkchat-site STAGING=$T/sparkchat-staging FRESH=$T/sparkchat
 mkdir -p "$OUT" "$T/bin"
 # keep DVC, its telemetry and the Hugging Face libraries off the network (the default data is offline)
