@@ -2,8 +2,9 @@
 
 For each variant on the same model, seed and tokens, written backend[:key=value,...][@modifier] with the
 modifier one of: an SDPA kernel (flash, cudnn, efficient, math) or `regional` (compile block by block):
-  - micro-step: forward + backward of one `batch x seq_len` micro-batch, compiled, median of CUDA-event
-    timings after warm-up (this is what precision changes; the optimizer is the same for every backend);
+  - micro-step: forward + backward of one `batch x seq_len` micro-batch, compiled, the median and range
+    of `--iters` CUDA-event timings after warm-up (this is what precision changes; the optimizer is the
+    same for every backend), and each variant's ratio to the first over every pair of micro-steps;
   - optimizer step (Muon + AdamW), and on the first variant the one-matrix-at-a-time Muon for reference;
   - a kernel breakdown of one micro-step from torch.profiler (GEMMs, FP8 GEMMs, attention, fused
     elementwise, ...), so a shortfall can be placed;
@@ -26,10 +27,13 @@ import torch.nn.functional as F
 
 from model.gpt import GPT
 from model.optim import orthogonalize
+from model.peak_flops import peak_flops
 from model.precision import LayerFilter
 from model.precision.options import TEFp8Options
 from model.precision.base import compile_model
 from model.precision.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
+
+from .stats import fmt, speedup, spread
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -38,6 +42,24 @@ ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient"
 def sdpa_backend(name: str):
     from torch.nn.attention import SDPBackend
     return getattr(SDPBackend, ATTENTION[name])
+
+
+def cuda_rounds(fn, rounds: int, calls: int, warmup: int = 3) -> list[float]:
+    """Milliseconds a call in each of `rounds` rounds of `calls` calls back to back (CUDA events), after
+    `warmup` calls: rounds long enough that a kernel of microseconds is not timed one launch at a time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / calls)
+    return out
 
 
 def cuda_time(fn, iters: int, warmup: int = 2) -> list[float]:
@@ -163,7 +185,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
     micro()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     res = dict(variant=v, label=backend.label, attention=attn, regional=regional, compile_s=compile_s,
-               micro_ms=statistics.median(micro_ms), micro_ms_all=micro_ms,
+               micro_ms=statistics.median(micro_ms), micro_ms_all=micro_ms, micro_ms_spread=spread(micro_ms, 2),
                micro_tok_s=batch * cfg.seq_len / statistics.median(micro_ms) * 1e3,
                optimizer_ms=statistics.median(opt_ms), peak_gib=peak)
     if train_steps:
@@ -184,7 +206,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
             log(f"    profiler failed: {type(e).__name__}: {e}")
             profile = False
     trained_txt = f"  after {train_steps} steps {res['micro_ms_trained']:7.1f} ms" if train_steps else ""
-    log(f"{v:32s} micro {res['micro_ms']:7.1f} ms {res['micro_tok_s']:9,.0f} tok/s  opt {res['optimizer_ms']:6.1f} ms  "
+    log(f"{v:32s} micro {fmt(res['micro_ms_spread'], '.1f')} ms {res['micro_tok_s']:9,.0f} tok/s  opt {res['optimizer_ms']:6.1f} ms  "
         f"peak {peak:5.1f} GiB  compile {compile_s:5.0f} s{trained_txt}")
     if profile:
         # kernel time well below the profiled call's wall time is GPU idle: the host launching too slowly
@@ -200,11 +222,12 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--vocab", type=int, default=65536)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=8, help="timed micro-steps: their median and range (default: %(default)s)")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--no-attention", action="store_true")
-    p.add_argument("--flops-peak", type=float, default=989.0)
+    p.add_argument("--flops-peak", type=float,
+                   help="TFLOP/s that MFU divides by (default: this GPU's dense BF16 peak, model/peak_flops.py)")
     p.add_argument("--train-steps", type=int, default=0,
                    help="after timing at init, train this many steps and time the micro-step again")
     p.add_argument("--out")
@@ -213,8 +236,10 @@ def main(argv=None):
     log = lambda s: print(s, flush=True)  # noqa: E731
     cfg = model_config(a.depth, a.seq_len, a.vocab)
     flops = GPT.flops_per_token(type("M", (), {"config": cfg})())
+    peak, peak_about = (a.flops_peak * 1e12, f"MFU against --flops-peak {a.flops_peak} TFLOP/s") if a.flops_peak \
+        else peak_flops("cuda")
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}: depth {a.depth} width {cfg.n_embd}, "
-        f"{a.batch}x{a.seq_len} tokens per micro-step, {flops / 1e9:.2f} GFLOP/token")
+        f"{a.batch}x{a.seq_len} tokens per micro-step, {flops / 1e9:.2f} GFLOP/token; {peak_about}")
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, depth=a.depth, batch=a.batch,
                seq_len=a.seq_len, flops_per_token=flops)
     if not a.no_attention:
@@ -241,17 +266,19 @@ def main(argv=None):
             (Path(a.out) / "train_step.json").write_text(json.dumps({**out, "variants": rows}, indent=1) + "\n")
     base = next((r for r in rows if "error" not in r), None)
     trained = " | after training: ms | tok/s | vs first" if a.train_steps else ""
-    log(f"\n| variant | micro-step ms | tok/s | vs first | MFU | optimizer ms | peak GiB{trained} |")
+    log(f"\n| variant | micro-step ms, median (range) of {a.iters} | tok/s | vs first (range over pairs) | MFU | optimizer ms "
+        f"| peak GiB{trained} |")
     log("| --- | --- | --- | --- | --- | --- | ---" + " | --- | --- | ---" * bool(a.train_steps) + " |")
     for r in rows:
         if "error" in r:
             log(f"| {r['variant']} | failed: {r['error'][:120]} | | | | | |")
             continue
-        mfu = flops * r["micro_tok_s"] / (a.flops_peak * 1e12)
-        after = (f" | {r['micro_ms_trained']:.1f} | {r['micro_tok_s_trained']:,.0f} | "
-                 f"{base['micro_ms_trained'] / r['micro_ms_trained']:.2f}x") if a.train_steps else ""
-        log(f"| {r['variant']} | {r['micro_ms']:.1f} | {r['micro_tok_s']:,.0f} | {base['micro_ms'] / r['micro_ms']:.2f}x | "
-            f"{100 * mfu:.1f}% | {r['optimizer_ms']:.1f} | {r['peak_gib']:.1f}{after} |")
+        mfu = f"{100 * flops * r['micro_tok_s'] / peak:.1f}%" if peak else "n/a"
+        after = (f" | {fmt(spread(r['micro_ms_trained_all'], 2), '.1f')} | {r['micro_tok_s_trained']:,.0f} | "
+                 f"{fmt(speedup(base['micro_ms_trained_all'], r['micro_ms_trained_all']), '.3f', 'x')}") if a.train_steps else ""
+        vs = fmt(speedup(base["micro_ms_all"], r["micro_ms_all"]), ".3f", "x")
+        log(f"| {r['variant']} | {fmt(r['micro_ms_spread'], '.1f')} | {r['micro_tok_s']:,.0f} | {vs} | "
+            f"{mfu} | {r['optimizer_ms']:.1f} | {r['peak_gib']:.1f}{after} |")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,13 @@ class DecodeGraphs:
     (`KVCache.flex`), compiled with the blocks: it visits only the 128-slot blocks each row has
     filled and gave the same bits for the same inputs; SDPA's masked kernels read every slot of the
     bucket, cuDNN's was not repeatable and the memory-efficient one made the step slower at every batch
-    size measured (bench/results/h200-flex-2026-12-04). Rows past the active ones are free:
+    size tried (bench/results/serving.md, "The cache read by FlexAttention"). Rows past the active ones are free:
     their length is set to 0 before a replay, so what the graph writes there is harmless (a row is
     reset when a request takes it).
 
     Prefill: a request admitted alone (the usual case at idle, where its first token's latency is the
-    prefill's host time: about 400 us a compiled block call on the H200, against 0.9 ms of kernels for
-    64 tokens, bench/results/h200-engine-2026-12-04c) and asking no prompt logprobs has its first chunk,
+    prefill's host time: several times its kernels' time for a short prompt on the H200,
+    bench/results/serving.md, "Time to first token") and asking no prompt logprobs has its first chunk,
     right-padded to a power of two (16..PREFILL_MAX), prefilled by one replay into a scratch cache
     row, then copied into its own row; causal attention keeps the padding from touching the prompt.
     """
@@ -77,10 +77,10 @@ class DecodeGraphs:
         if compile_blocks:
             # block by block (the twenty blocks share each compile): the whole forward as one compile
             # fuses a little more but took minutes to compile for every bucket
-            # (bench/results/h200-decode-2026-12-04)
+            # (bench/results/serving.md, "One decode step")
             # one compile per kind of call the buckets make (one row or more, one new token, under 128 or
             # more, the cache's whole length or less): more than dynamo's default limit of 8
-            # (bench/results/h200-flex-2026-12-04, run 4), past which a block runs uncompiled (and
+            # (bench/results/serving.md, "The cache read by FlexAttention"), past which a block runs uncompiled (and
             # FlexAttention as its reference: `KVCache`)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for block in model.blocks:

@@ -235,7 +235,7 @@ class Engine:
             # no cuDNN attention kernel in this process (what SDPA's masked calls, the path without
             # graphs, would pick): on the H200 it gave other bits for the same inputs (so seeded
             # requests were not repeatable) and read past an odd-length mask; the memory-efficient
-            # kernel SDPA picks instead did neither (bench/results/h200-determinism-2026-12-04b). A
+            # kernel SDPA picks instead did neither (bench/results/serving.md, "Repeatability on the GPU"). A
             # process-wide flag: a context manager inside the compiled blocks ran slower end to end (there)
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.graphs = DecodeGraphs(model, self.cache, self.extras_buffers, config.prefill_chunk) if graphs else None

@@ -44,7 +44,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         # put them in order: larger first, equal ones (common in bf16) by id, lowest first, as argmax
         # does; torch.topk promises no order for ties, so equal logits could trade places between
         # runs. Each one's place is counted (k_max**2 comparisons, fused by torch.compile) instead of
-        # sorted: CUDA's sort of 256 values took 16-25 us at one row (bench/decode_kernels.py)
+        # sorted: CUDA's sort of 256 values cost more at one row than the rest of the sampler
+        # (bench/results/serving.md, "The sampler")
         v, i = vals[:, None, :], idx[:, None, :]
         place = ((v > vals[:, :, None]) | ((v == vals[:, :, None]) & (i < idx[:, :, None]))).sum(-1)
         vals, idx = torch.empty_like(vals).scatter_(-1, place, vals), torch.empty_like(idx).scatter_(-1, place, idx)

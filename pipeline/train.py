@@ -32,6 +32,7 @@ from model.gpt import GPT, GPTConfig
 from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
 from model.optim import build_optimizer
 from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
+from model.peak_flops import peak_flops
 from model.precision import get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
@@ -55,33 +56,29 @@ STAGES = {
 CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256; under FSDP the "
                    "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
                    "one removes them.\n")
-TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "gpu_idle_frac")  # in the metrics, not the model dir
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
+TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "idle_frac")  # in the metrics, not the model dir
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-class GpuIdle:
-    """How long the GPU waited for the host while training: a CUDA event where the host starts handing
-    the GPU a micro-step (its batch) and one where that work ends. The stream reaches a start event only
-    once the host has queued it, so end -> next start is time the GPU had nothing queued (a slow loader,
-    the host's own bookkeeping). Read only on steps the loop synchronises anyway."""
+class IdleClock:
+    """How long the device waited for the host while training: a mark where the host starts handing the
+    device a micro-step's work, once its batch is in hand (waiting for the loader is idle time), and one
+    where that work ends. On a GPU the marks are CUDA events: the stream reaches a start event only once the
+    host has queued it, so end -> next start is time the GPU had nothing queued (a slow loader, the host's
+    own bookkeeping). On a CPU the work is done before each call returns, so the host's clock at each mark
+    measures the same. Read only on steps the loop synchronises anyway."""
 
     def __init__(self, device: torch.device):
-        self.on = device.type == "cuda"
-        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
         self.idle_s = self.busy_s = 0.0
 
     def _mark(self, kind: str) -> None:
-        if self.on:
+        if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.marks.append((kind, ev))
+        else:
+            ev = _HostClock()
+        self.marks.append((kind, ev))
 
     def start(self) -> None:
         self._mark("start")
@@ -96,7 +93,7 @@ class GpuIdle:
     def read(self, count: bool) -> None:
         """Add the gaps since the last read to the totals when `count`; keep the last end mark, from
         which the next gap is measured."""
-        if not self.on or not self.marks:
+        if not self.marks:
             return
         self.marks[-1][1].synchronize()
         if count:
@@ -110,7 +107,20 @@ class GpuIdle:
 
     def fraction(self) -> float | None:
         total = self.idle_s + self.busy_s
-        return round(self.idle_s / total, 4) if self.on and total else None
+        return round(self.idle_s / total, 4) if total else None
+
+
+class _HostClock:
+    """A CPU's stand-in for a CUDA event: the host's clock when it was made."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: "_HostClock") -> float:
+        return (later.t - self.t) * 1e3  # milliseconds, as CUDA events give
 
 
 def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
@@ -284,7 +294,9 @@ def train(stage: str | None, p: Params) -> dict:
     tbytes = token_bytes(tok, device)
     # the same validation batches on any number of ranks (each rank runs its share)
     eval_batches = max(1, t.eval_tokens // (val_batches.batch * seq_len))
-    flops, peak = raw_model.flops_per_token(), peak_flops(device)
+    flops, (peak, peak_about) = raw_model.flops_per_token(), peak_flops(device)
+    if device.type == "cuda":
+        log(f"{stage}: {peak_about}")
     # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
     # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
     # rewrites the rows before its checkpoint and the plot (and its dvc.lock hash) match an unbroken run
@@ -304,7 +316,7 @@ def train(stage: str | None, p: Params) -> dict:
     loss_value, tps, mfu = float("nan"), 0.0, None
     # sustained throughput and GPU idle time count from the end of the first step this run makes (which
     # compiles) to the end, read only on logged steps (which synchronise anyway)
-    idle, sustained_from, sustained_to = GpuIdle(device), None, 0.0
+    idle, sustained_from, sustained_to = IdleClock(device), None, 0.0
     model.train()
     for step in range(start_step, steps):
         t0 = time.perf_counter()
@@ -312,8 +324,8 @@ def train(stage: str | None, p: Params) -> dict:
         optimizer.set_lr_multiplier(mult)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            idle.start()
             x, y = train_batches.next()
+            idle.start()  # after the batch is in hand: the wait for it is the device's idle time
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP all-reduces only in the last micro-step's backward; FSDP reduce-scatters every one
             sync = model.no_sync() if world > 1 and not sharded and micro < grad_accum - 1 else contextlib.nullcontext()
@@ -375,7 +387,7 @@ def train(stage: str | None, p: Params) -> dict:
     if sustained:
         metrics["tokens_per_s_sustained"] = sustained  # every step after the first this run made
     if idle.fraction() is not None:
-        metrics["gpu_idle_frac"] = idle.fraction()  # of the logged steps after the first
+        metrics["idle_frac"] = idle.fraction()  # of the logged steps after the first
     weights = full_state_dict(model) if sharded else None  # gathered onto rank 0 (every rank takes part)
     if rank == 0:
         # the model directory (a DVC output) holds no timings, so the same run gives the same hash
