@@ -35,10 +35,10 @@ from model.chat import ChatFormatError
 from . import serving
 from .errors import APIError
 from .runtime import Runtime, TextStream
-from .schemas import _Strict, _unsupported
+from .schemas import NO_TOOLS, NoTools, _Strict, _unsupported
 
 # parameter -> the value at which it does nothing (the only value accepted; schemas.py's rule)
-NOOPS = {"tools": [], "tool_choice": "none", "parallel_tool_calls": None, "previous_response_id": None,
+NOOPS = {**NO_TOOLS, "previous_response_id": None,
          "conversation": None, "background": False, "reasoning": None, "text": {"format": {"type": "text"}},
          "include": [], "top_logprobs": 0, "max_tool_calls": None, "prompt": None, "truncation": "disabled"}
 
@@ -64,7 +64,7 @@ class InputMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(NoTools):
     NOOPS: ClassVar[dict] = NOOPS
 
     model: str
@@ -83,9 +83,6 @@ class ResponsesRequest(_Strict):
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
-    tools: Optional[list] = _unsupported(NOOPS["tools"])
-    tool_choice: Union[str, dict, None] = _unsupported(NOOPS["tool_choice"])
-    parallel_tool_calls: Optional[bool] = _unsupported(NOOPS["parallel_tool_calls"])
     previous_response_id: Optional[str] = _unsupported(NOOPS["previous_response_id"])
     conversation: Union[str, dict, None] = _unsupported(NOOPS["conversation"])
     background: Optional[bool] = _unsupported(NOOPS["background"])
@@ -231,7 +228,7 @@ class _Run:
                                 total_tokens=len(self.prompt) + s.completion_tokens) if done else None)
 
 
-async def create(req: ResponsesRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ResponseObject:
+async def complete(req: ResponsesRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ResponseObject:
     run = _Run(req, runtime, prompt)
     text, = await serving.collect([run.stream], raw)
     return run.response(text)

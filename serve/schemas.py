@@ -102,8 +102,9 @@ class StreamOptions(_Strict):
 
 
 # parameter -> the value at which it does nothing (the only value accepted)
+NO_TOOLS = {"tools": [], "tool_choice": "none", "parallel_tool_calls": None}  # chat's and responses'
 UNSUPPORTED = {
-    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
+    **NO_TOOLS, "functions": [],
     "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
@@ -125,6 +126,13 @@ def _unsupported(noop):
     gets a 400 naming the parameter), so clients and fuzzers see what is accepted."""
     return Field(None, json_schema_extra={"enum": [noop] if noop is None else [noop, None]},
                  description="not supported: only the value that changes nothing is accepted")
+class NoTools(_Strict):
+    """The tool fields of the chat and responses APIs: this server calls no tools of the client's."""
+    tools: Optional[list] = _unsupported(NO_TOOLS["tools"])
+    tool_choice: Union[str, dict, None] = _unsupported(NO_TOOLS["tool_choice"])
+    parallel_tool_calls: Optional[bool] = _unsupported(NO_TOOLS["parallel_tool_calls"])
+
+
 # accepted with any value of their type, and ignored: they change nothing a local model could do
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier")
 
@@ -168,7 +176,7 @@ class _Sampling(_Strict):
         return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, NoTools):
     NOOPS: ClassVar[dict] = UNSUPPORTED
     model_config = ConfigDict(json_schema_extra={"allOf": [
         STREAM_OPTIONS_NEED_STREAM, _needs("top_logprobs", "integer", "logprobs", True)]})
@@ -178,9 +186,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list] = _unsupported(UNSUPPORTED["tools"])
-    tool_choice: Union[str, dict, None] = _unsupported(UNSUPPORTED["tool_choice"])
-    parallel_tool_calls: Optional[bool] = _unsupported(UNSUPPORTED["parallel_tool_calls"])
     functions: Optional[list] = _unsupported(UNSUPPORTED["functions"])
     function_call: Union[str, dict, None] = _unsupported(UNSUPPORTED["function_call"])
     response_format: Optional[dict] = _unsupported(UNSUPPORTED["response_format"])

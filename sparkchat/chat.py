@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     missing = start.missing_model(args.model)
     if missing:  # before torch loads: said at once
         ap.error(missing)
+    if args.system and undecodable(args.system):  # argv, like stdin, carries bytes that are not UTF-8 so
+        ap.error(f"--system: {undecodable(args.system)}")
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback
         sys.stdin.reconfigure(errors="surrogateescape")
 

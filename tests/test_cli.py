@@ -137,6 +137,9 @@ def test_chat_says_a_line_that_is_not_utf8_and_goes_on(serve_model_dir):
     assert "that line was not sent: byte 0xe9 at character 4 is not UTF-8" in err, err
     _, hello, skipped, sum_, bye = out.split("> ")  # a reply to the lines around it, none to it
     assert hello.strip() and sum_.strip() and skipped == "" and bye == "\n"
+    r = subprocess.run([sys.executable, "-m", "sparkchat", "chat", "--model", str(serve_model_dir), "--system",
+                        b"Be \xff brief"], input=b"", capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--system: byte 0xff at character 4 is not UTF-8" in r.stderr.decode()
 
 
 def test_chat_history_drops_old_turns_keeping_the_system_prompt(serve_tokenizer):
