@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+from sparkchat import paths
+
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
@@ -18,6 +21,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, data: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_reports(stage: str, metrics: dict, timings: dict | None = None) -> None:
+    """A stage's metrics (what its inputs decide: DVC metrics that git keeps) and its timings (git-ignored;
+    sparkchat/paths.py TIMINGS)."""
+    write_json(paths.metrics_file(stage), metrics)
+    if timings is not None:
+        write_json(paths.timings_file(stage), timings)
 
 
 class TSVLog:

@@ -43,7 +43,7 @@ from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, r
                          save_sharded, set_rng_state)
 from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
 from .data import ChatBatches, DataError, TokenStream, open_tokens
-from .metrics import TSVLog, write_json
+from .metrics import TSVLog, write_reports
 from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
@@ -56,7 +56,6 @@ STAGES = {
 CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256; under FSDP the "
                    "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
                    "one removes them.\n")
-TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "idle_frac")  # in the metrics, not the model dir
 
 
 class IdleClock:
@@ -470,34 +469,34 @@ def save(run: Run, done: int, history: dict) -> None:
 
 
 def finish(run: Run, progress: Progress, history: dict) -> dict:
-    """The model directory, the metrics, and the checkpoints removed; returns the metrics."""
+    """The model directory, the reports (metrics, timings: pipeline/metrics.py), and the checkpoints removed;
+    returns both reports' values in one dict."""
     stage, steps, raw_model = run.stage, run.steps, run.model
     backend, out_dir = run.backend, STAGES[stage][3]
-    metrics = {"steps": steps, "final_loss": round(progress.loss, 4),
-               "val_bpb": round(history.get("val_bpb", float("nan")), 4),
-               "tokens_per_s": round(progress.tokens_per_s), "params": raw_model.num_params(), "backend": backend.name,
-               "backend_label": backend.label, "emulated": backend.emulated, "device": str(run.device),
-               "tokens": steps * run.grad_accum * run.tokens_per_micro}
+    # what the inputs decide: the metrics, and what the model directory records (meta.json): no timings, so
+    # the same run gives the same hash
+    record = {"steps": steps, "final_loss": round(progress.loss, 4),
+              "val_bpb": round(history.get("val_bpb", float("nan")), 4), "params": raw_model.num_params(),
+              "backend": backend.name, "backend_label": backend.label, "emulated": backend.emulated,
+              "device": str(run.device), "tokens": steps * run.grad_accum * run.tokens_per_micro}
+    timings = {"tokens_per_s": round(progress.tokens_per_s)}  # the last logged step's
     if progress.mfu:
-        metrics["mfu"] = round(progress.mfu, 4)
+        timings["mfu"] = round(progress.mfu, 4)
     if progress.sustained:
-        metrics["tokens_per_s_sustained"] = progress.sustained  # every step after the first this run made
+        timings["tokens_per_s_sustained"] = progress.sustained  # every step after the first this run made
     if progress.idle_frac is not None:
-        metrics["idle_frac"] = progress.idle_frac  # of the logged steps after the first
+        timings["idle_frac"] = progress.idle_frac  # of the logged steps after the first
     weights = full_state_dict(raw_model) if run.sharded else None  # gathered onto rank 0 (every rank takes part)
     if run.rank == 0:
-        # the model directory (a DVC output) holds no timings, so the same run gives the same hash
-        save_model_dir(out_dir, raw_model, run.tok, extra={"stage": stage, **{k: v for k, v in metrics.items()
-                                                                              if k not in TIMINGS}},
-                       state_dict=weights)
-        write_json(paths.metrics_file(stage), metrics)
+        save_model_dir(out_dir, raw_model, run.tok, extra={"stage": stage, **record}, state_dict=weights)
+        write_reports(stage, record, timings)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
         remove_checkpoints(run.ckpt_path)
-        log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
+        log(f"{stage}: done: loss {record['final_loss']}, val bpb {record['val_bpb']}, model in {out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
-    return metrics
+    return {**record, **timings}
 
 
 def train(stage: str | None, p: Params) -> dict:

@@ -174,6 +174,10 @@ def test_outputs_are_where_paths_says():
                              paths.EVAL_ITEMS)} == _declared(st["prepare"], "outs")
     assert str(paths.TOKENIZER) in _declared(st["tokenizer"], "outs")
     assert {str(paths.PRETRAIN_TOKENS), str(paths.CHAT_TOKENS)} == _declared(st["tokenize"], "outs")
+    # timings are declared nowhere (no hash in dvc.lock) and git ignores them
+    declared = {f for stage in st.values() for key in ("outs", "metrics", "plots") for f in _declared(stage, key)}
+    assert not {f for f in declared if f.startswith(str(paths.TIMINGS))}
+    assert f"/{paths.TIMINGS}/" in (ROOT / ".gitignore").read_text().splitlines()
     assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
     assert _declared(st["export"], "outs") == {str(paths.HF_EXPORT)}
 

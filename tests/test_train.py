@@ -58,6 +58,24 @@ def idle_with_loader_delay(project, monkeypatch, delay_s: float) -> float:
     return train("pretrain", p)["idle_frac"]
 
 
+def test_reports_keep_timings_out_of_what_git_tracks(project, monkeypatch):
+    """The metrics (DVC metrics git keeps) hold only what the inputs decide; tokens/s, MFU and idle time go to
+    the git-ignored timings report, and the returned values hold both."""
+    import json
+
+    from pipeline.train import train
+
+    root, p = project
+    monkeypatch.chdir(root)
+    values = train("pretrain", p)
+    metrics, timings = (json.loads(f.read_text()) for f in (paths.metrics_file("pretrain"),
+                                                              paths.timings_file("pretrain")))
+    assert {"tokens_per_s", "tokens_per_s_sustained", "idle_frac"} <= set(timings)
+    assert not set(timings) & set(metrics)
+    assert {**metrics, **timings} == values
+    assert metrics["steps"] == 8 and metrics["tokens"] == 8 * 1024
+
+
 def test_waiting_for_a_batch_counts_as_idle(project, monkeypatch):
     """With every batch 0.4 s late (several times a tiny micro-step's compute, even on a busy machine) the
     device waits most of the time, and the metric says so; with the real loader it is busy most of the
