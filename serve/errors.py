@@ -78,7 +78,11 @@ def _num(bound) -> str:
 
 
 def _show(value) -> str:
-    return repr(value) if isinstance(value, (str, int, float)) else _json_kind(value)
+    """A value as an error quotes it: a short one as written, a long one cut, a list or object by its kind."""
+    if not isinstance(value, (str, int, float)):
+        return _json_kind(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:50] + "...(cut)"
 
 
 # pydantic's "is not of this type" errors, as JSON names the type expected
