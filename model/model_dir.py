@@ -15,9 +15,11 @@ only then).
 Every file is written to a temporary name, fsynced and renamed, and checksums.json comes last, so a save
 cut short by a crash or a power cut leaves a directory that fails its check rather than one that loads
 half old, half new. Loading verifies each file against checksums.json and names the first one that is
-missing, truncated or overwritten (`ModelDirError`); a directory without checksums.json (written before
-checksums existed, or by another tool) loads with a warning. The pipeline's checkpoints use the same
-helpers (`write_atomic`, `file_record`, `check_file`).
+missing, truncated or overwritten (`ModelDirError`). A sparkchat directory without checksums.json is
+refused: nothing can tell its weights from damaged ones (4 KiB overwritten loads and answers garbage), so
+it loads only when the user says they trust it (`TRUST_ENV`, named in the error). A transformers
+directory from elsewhere carries no checksums by nature and loads with a warning. The pipeline's
+checkpoints use the same helpers (`write_atomic`, `file_record`, `check_file`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ REQUIRED = ("config.json", WEIGHTS, "tokenizer.json")
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_REQUIRED = ("config.json", (WEIGHTS, WEIGHTS_INDEX), "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
+# set to 1 to load a sparkchat model directory that has no checksums.json (its files unverified)
+TRUST_ENV = "SPARKCHAT_TRUST_UNVERIFIED_MODEL"
 
 
 class ModelDirError(Exception):
@@ -126,7 +130,8 @@ def _stat_key(path: Path) -> tuple | None:
 
 def verify_model_dir(path: str | Path) -> None:
     """Checks every file against checksums.json; raises ModelDirError naming the first bad one. Without
-    checksums.json only the required files' presence is checked, with a warning."""
+    checksums.json a sparkchat directory is refused unless `TRUST_ENV` is 1; a transformers directory
+    (or a trusted one) has only its required files' presence checked, with a warning."""
     path = Path(path)
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} does not exist")
@@ -151,9 +156,16 @@ def verify_model_dir(path: str | Path) -> None:
         if not any((path / name).is_file() for name in names):
             kind = "complete Hugging Face model" if hf else "sparkchat model"
             raise ModelDirError(f"{path} is not a {kind} directory: {' or '.join(names)} is missing")
-    if not manifest.is_file():
-        log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
-                    "its files are loaded unverified", path, CHECKSUMS)
+    if manifest.is_file():
+        return
+    if not hf and os.environ.get(TRUST_ENV) != "1":
+        raise ModelDirError(
+            f"model directory {path} has no {CHECKSUMS}, so its files cannot be verified: every sparkchat save "
+            f"writes it last, so without it the save was cut short or the file was lost, and damaged weights would "
+            f"load and answer garbage. If DVC made it, `dvc checkout --force {path}` restores it; if you trust these "
+            f"files, set {TRUST_ENV}=1")
+    log.warning("%s has no %s (%s): its files are loaded unverified", path, CHECKSUMS,
+                "a transformers directory" if hf else f"trusted by {TRUST_ENV}=1")
 
 
 def is_hf_dir(path: str | Path) -> bool:
