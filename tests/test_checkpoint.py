@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import CHECKSUMS, TRUST_ENV, ModelDirError, load_model_dir, save_model_dir
+from model.model_dir import CHECKSUMS, TRUST_ENV, ModelDirError, NoRoomError, load_model_dir, save_model_dir
 from pipeline.checkpoint import load_checkpoint, remove_checkpoints, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,25 @@ def test_a_finished_stage_removes_its_checkpoints_but_not_damaged_ones(run):
     remove_checkpoints(path)
     left = sorted(p.name for p in path.parent.iterdir())
     assert len(left) == 2 and all(".damaged-" in name for name in left), left
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux), whose every write is ENOSPC")
+def test_a_full_disk_is_one_error_naming_the_file_and_the_free_space(run):
+    """The kernel's own ENOSPC: the temporary file the save writes first is made a link to /dev/full.
+    One NoRoomError naming last.pt and the free space (no torch RuntimeErrors), no partial file left,
+    and the checkpoint before it still loads."""
+    path, model, opt = run
+    save_at(path, model, opt, 2)
+    tmp = path.with_name("last.pt.tmp")
+    tmp.symlink_to("/dev/full")
+    with pytest.raises(NoRoomError) as e:
+        save_at(path, model, opt, 4)
+    assert re.fullmatch(rf"cannot write {re.escape(str(path))}: no space left on the device; [\d.]+ \S+ free on "
+                        rf"the filesystem holding {re.escape(str(path.parent))}", str(e.value)), str(e.value)
+    assert e.value.__suppress_context__, "torch's errors would print as a second traceback"
+    assert not tmp.exists() and not tmp.is_symlink()
+    ckpt, msg = load_checkpoint(path, FP)
+    assert ckpt["step"] == 2 and "of " + str(path.with_name("prev.pt")) in msg
 
 
 class Crash(Exception):
