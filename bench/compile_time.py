@@ -1,7 +1,8 @@
-"""Compile time of a backend's model, whole against block by block, as a ratio within one run.
+"""Compile time of a backend's model, whole against block by block, as a ratio within one round.
 
-The first training step (forward + backward) includes the compile; the second shows it is done.
-Runs on CPU (inductor's C++ backend) or CUDA:
+The first training step (forward + backward) includes the compile; the second shows it is done. Each
+of `--rounds` rounds compiles both ways from cold; reported: the median and range of the first steps
+and of their per-round ratio. Runs on CPU (inductor's C++ backend) or CUDA:
 
     python -m bench.compile_time --backend nvfp4-emulated --depth 6
 """
@@ -16,6 +17,7 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch  # noqa: E402
 
+from bench.stats import fmt, ratios, spread  # noqa: E402
 from model.gpt import GPTConfig  # noqa: E402
 from model.precision import LayerFilter  # noqa: E402
 from model.precision.base import compile_model  # noqa: E402
@@ -43,12 +45,20 @@ def main(argv=None):
     p.add_argument("--backend", default="nvfp4-emulated")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=3, help="cold compiles of each kind (default: %(default)s)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
-    whole = first_steps(a.backend, a.depth, False, dev)
-    regional = first_steps(a.backend, a.depth, True, dev)
-    print(f"{a.backend}, depth {a.depth}, {dev}: first step whole {whole[0]:.1f} s, block by block "
-          f"{regional[0]:.1f} s ({whole[0] / regional[0]:.1f}x less); second steps {whole[1]:.3f} / {regional[1]:.3f} s")
+    whole, regional = [], []
+    for r in range(a.rounds):
+        whole.append(first_steps(a.backend, a.depth, False, dev))
+        regional.append(first_steps(a.backend, a.depth, True, dev))
+        print(f"round {r + 1}/{a.rounds}: first step whole {whole[-1][0]:.1f} s, block by block {regional[-1][0]:.1f} s",
+              flush=True)
+    first_w, first_r = [w[0] for w in whole], [r[0] for r in regional]
+    print(f"{a.backend}, depth {a.depth}, {dev}, median (min–max) of {a.rounds} rounds: first step whole "
+          f"{fmt(spread(first_w, 2), '.1f', ' s')}, block by block {fmt(spread(first_r, 2), '.1f', ' s')}, whole / block "
+          f"by block {fmt(spread(ratios(first_w, first_r), 3), '.2f', 'x')}; second steps "
+          f"{fmt(spread([w[1] for w in whole]), '.3f', ' s')} / {fmt(spread([r[1] for r in regional]), '.3f', ' s')}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 Gradio page (headless Chromium through Playwright: PNG screenshots and the page's text) and in
 `sparkchat chat` (tmux capture-pane), plus the API's answer to the same question (JSON).
 
-    python -m bench.conversation_capture --root /work/main --out bench/results/conversation-2026-12-04
+    python -m bench.conversation_capture --root . --out docs/img/conversation
 
 `--root` is the checkout whose `artifacts/` (the model) and `reports/` (its eval scores, on the page's
 model line) are shown; the server and the terminal chat run in a scratch directory that links to
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path("."), help="checkout holding artifacts/ and reports/ (default: .)")
     ap.add_argument("--model", default=str(paths.CHAT_MODEL), help="model directory under --root (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/conversation-capture"),
+    ap.add_argument("--out", type=Path, default=Path("docs/img/conversation"),
                     help="where the captures go (default: %(default)s)")
     args = ap.parse_args(argv)
     for tool in ("tmux", CHROMIUM):

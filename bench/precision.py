@@ -1,18 +1,18 @@
-"""Precision backends timed against bf16 within one run: GEMM level and model level.
+"""Precision backends timed against bf16 within one run, at GEMM level.
 
-GEMM level: one Linear (forward + both backward GEMMs, casts included) at the shapes of a GPT block
-(width d: d->d attention projections, d->4d and 4d->d MLP), and one whole MLP (norm + fc + relu^2 + proj),
-for bf16 (compiled), our fp8 (compiled), and every TE recipe that runs here (TE eager, as it runs
-inside our compiled model). Model level: `model.precision.probe.run_probe` for a few steps.
-Everything is reported as a ratio to bf16 measured in the same process.
+One Linear (forward + both backward GEMMs, casts included) at the shapes of a GPT block (width d: d->d
+attention projections, d->4d and 4d->d MLP), and one whole MLP (norm + fc + relu^2 + proj), for bf16
+(compiled), our fp8 (compiled), and every TE recipe that runs here (TE eager, as it runs inside our
+compiled model). Each is timed in `--rounds` rounds of `--calls` calls; reported: the median and range
+of a call's time, and the ratio to bf16 in the same process (of the medians; its range over every pair
+of rounds). The whole model: `python -m bench.probe_spread`.
 
-    python -m bench.precision --width 1280 --tokens 65536 [--model --depth 20 --steps 20] [--out bench/results]
+    python -m bench.precision --width 1280 --tokens 65536 [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -22,11 +22,8 @@ import torch.nn as nn
 from model.gpt import MLP, GPTConfig, norm
 from model.precision import LayerFilter, get_backend
 
-from .train_step import cuda_time
-
-
-def _time(fn, iters: int, warmup: int = 3) -> float:
-    return statistics.median(cuda_time(fn, iters, warmup))
+from .stats import fmt, speedup, spread
+from .train_step import cuda_rounds
 
 
 class _MLP(nn.Module):
@@ -56,7 +53,7 @@ def variants():
     return out
 
 
-def gemm_bench(width: int, tokens: int, iters: int = 10, log=print) -> list[dict]:
+def gemm_bench(width: int, tokens: int, rounds: int = 5, calls: int = 10, log=print) -> list[dict]:
     dev = torch.device("cuda")
     shapes = [("attn d->d", _One, (width, width)), ("mlp d->4d", _One, (width, 4 * width)),
               ("mlp 4d->d", _One, (4 * width, width)), ("whole MLP", _MLP, (width,))]
@@ -64,7 +61,7 @@ def gemm_bench(width: int, tokens: int, iters: int = 10, log=print) -> list[dict
     for label, cls, args in shapes:
         k = args[0]
         flops = 6 * tokens * (args[0] * args[1] if cls is _One else 8 * width * width)
-        base_ms = None
+        base = None
         for name, opts in variants():
             be = get_backend(name, opts, LayerFilter(16, []))
             why = be.unavailable_reason(dev)
@@ -82,24 +79,28 @@ def gemm_bench(width: int, tokens: int, iters: int = 10, log=print) -> list[dict
                     y = run(x)
                 y.backward(gy)
             try:
-                ms = _time(step, iters)
+                times = cuda_rounds(step, rounds, calls)
             except Exception as e:
                 log(f"{label:10s} {be.label:28s} FAILED {type(e).__name__}: {str(e)[:200]}")
                 continue
             finally:
                 torch._dynamo.reset()
-            base_ms = base_ms or ms
-            row = dict(shape=label, tokens=tokens, width=width, backend=be.label, ms=ms,
-                       tflops=flops / ms / 1e9, speedup=base_ms / ms)
+            base = base or times
+            ms = spread(times)
+            row = dict(shape=label, tokens=tokens, width=width, backend=be.label, ms=ms, ms_rounds=times,
+                       tflops=flops / ms["median"] / 1e9, speedup=speedup(base, times))
             rows.append(row)
-            log(f"{label:10s} {be.label:28s} {ms:8.2f} ms {row['tflops']:7.0f} TFLOP/s {row['speedup']:5.2f}x")
+            log(f"{label:10s} {be.label:28s} {fmt(ms, '.3f')} ms {row['tflops']:7.0f} TFLOP/s "
+                f"{fmt(row['speedup'], '.3f', 'x')}")
     return rows
 
 
 def to_markdown(rows, title) -> str:
-    lines = [f"## {title}", "", "| shape | backend | ms (fwd+bwd) | TFLOP/s | vs bf16 |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"## {title}", "", "| shape | backend | ms (fwd+bwd), median (min–max) | TFLOP/s | vs bf16 |",
+             "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['backend']} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['speedup']:.2f}x |")
+        lines.append(f"| {r['shape']} | {r['backend']} | {fmt(r['ms'], '.3f')} | {r['tflops']:.0f} | "
+                     f"{fmt(r['speedup'], '.3f', 'x')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -107,25 +108,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--model", action="store_true", help="also time whole models through the probe")
-    p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--backends", nargs="+", default=["bf16", "fp8", "te-fp8:current,modules=linear",
-                                                      "te-fp8:current,modules=fused"])
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds: their median and range (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=10, help="calls a round (default: %(default)s)")
     p.add_argument("--out", help="folder for precision_bench.json / .md")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.precision times GEMMs on a CUDA GPU; torch sees none")
     t0 = time.time()
-    rows = gemm_bench(a.width, a.tokens, a.iters)
+    rows = gemm_bench(a.width, a.tokens, a.rounds, a.calls)
     md = to_markdown(rows, f"GEMM level: width {a.width}, {a.tokens} tokens, {torch.cuda.get_device_name()}")
-    result = {"gemm": rows}
-    if a.model:
-        from model.precision.options import ProbeOptions
-        from model.precision.probe import run_probe, to_markdown as probe_md
-        probe = run_probe(ProbeOptions(steps=a.steps, depth=a.depth, seq_len=2048, batch=32, vocab=65536,
-                                       backends=a.backends))
-        result["model"] = probe
-        md += "\n" + probe_md(probe)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": a.rounds,
+              "calls": a.calls, "gemm": rows}
     print(md)
     print(f"bench took {time.time() - t0:.0f} s")
     if a.out:

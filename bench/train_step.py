@@ -2,8 +2,9 @@
 
 For each variant on the same model, seed and tokens, written backend[:key=value,...][@modifier] with the
 modifier one of: an SDPA kernel (flash, cudnn, efficient, math) or `regional` (compile block by block):
-  - micro-step: forward + backward of one `batch x seq_len` micro-batch, compiled, median of CUDA-event
-    timings after warm-up (this is what precision changes; the optimizer is the same for every backend);
+  - micro-step: forward + backward of one `batch x seq_len` micro-batch, compiled, the median and range
+    of `--iters` CUDA-event timings after warm-up (this is what precision changes; the optimizer is the
+    same for every backend), and each variant's ratio to the first over every pair of micro-steps;
   - optimizer step (Muon + AdamW), and on the first variant the one-matrix-at-a-time Muon for reference;
   - a kernel breakdown of one micro-step from torch.profiler (GEMMs, FP8 GEMMs, attention, fused
     elementwise, ...), so a shortfall can be placed;
@@ -32,6 +33,8 @@ from model.precision.options import TEFp8Options
 from model.precision.base import compile_model
 from model.precision.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
 
+from .stats import fmt, speedup, spread
+
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
 
@@ -41,19 +44,21 @@ def sdpa_backend(name: str):
     return getattr(SDPBackend, ATTENTION[name])
 
 
-def cuda_time(fn, iters: int, warmup: int = 2) -> list[float]:
-    """Milliseconds of each of `iters` calls, CUDA events, after `warmup` calls."""
+def cuda_rounds(fn, rounds: int, calls: int, warmup: int = 3) -> list[float]:
+    """Milliseconds a call in each of `rounds` rounds of `calls` calls back to back (CUDA events), after
+    `warmup` calls: a round of many calls for a kernel of microseconds, one call for a training step."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
-    for _ in range(iters):
+    for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(calls):
+            fn()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b))
+        out.append(a.elapsed_time(b) / calls)
     return out
 
 
@@ -70,7 +75,7 @@ def attention_bench(batch, heads, seq, head_dim, iters, log) -> list[dict]:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             y.backward(go)
         try:
-            ms = statistics.median(cuda_time(step, iters))
+            ms = statistics.median(cuda_rounds(step, iters, 1))
         except Exception as e:
             log(f"attention {name:9s} FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -87,7 +92,7 @@ def per_matrix_muon_ms(model, iters) -> float:
     def step():
         for g in grads:
             orthogonalize(g)
-    return statistics.median(cuda_time(step, iters))
+    return statistics.median(cuda_rounds(step, iters, 1))
 
 
 def kernel_breakdown(fn) -> tuple[dict, list, float]:
@@ -158,13 +163,13 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
     micro()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    micro_ms = cuda_time(micro, iters)
-    opt_ms = cuda_time(opt.step, max(3, iters // 2))
+    micro_ms = cuda_rounds(micro, iters, 1)
+    opt_ms = cuda_rounds(opt.step, max(3, iters // 2), 1)
     opt.zero_grad(set_to_none=True)
     micro()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     res = dict(variant=v, label=backend.label, attention=attn, regional=regional, compile_s=compile_s,
-               micro_ms=statistics.median(micro_ms), micro_ms_all=micro_ms,
+               micro_ms=statistics.median(micro_ms), micro_ms_all=micro_ms, micro_ms_spread=spread(micro_ms, 2),
                micro_tok_s=batch * cfg.seq_len / statistics.median(micro_ms) * 1e3,
                optimizer_ms=statistics.median(opt_ms), peak_gib=peak)
     if train_steps:
@@ -175,7 +180,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
             micro()
             opt.step()
         opt.zero_grad(set_to_none=True)
-        trained = cuda_time(micro, iters)
+        trained = cuda_rounds(micro, iters, 1)
         res.update(train_steps=train_steps, micro_ms_trained=statistics.median(trained), micro_ms_trained_all=trained,
                    micro_tok_s_trained=batch * cfg.seq_len / statistics.median(trained) * 1e3)
     if profile:
@@ -185,7 +190,7 @@ def run_variant(v, cfg, data, batch, iters, profile, seed, log, train_steps=0) -
             log(f"    profiler failed: {type(e).__name__}: {e}")
             profile = False
     trained_txt = f"  after {train_steps} steps {res['micro_ms_trained']:7.1f} ms" if train_steps else ""
-    log(f"{v:32s} micro {res['micro_ms']:7.1f} ms {res['micro_tok_s']:9,.0f} tok/s  opt {res['optimizer_ms']:6.1f} ms  "
+    log(f"{v:32s} micro {fmt(res['micro_ms_spread'], '.1f')} ms {res['micro_tok_s']:9,.0f} tok/s  opt {res['optimizer_ms']:6.1f} ms  "
         f"peak {peak:5.1f} GiB  compile {compile_s:5.0f} s{trained_txt}")
     if profile:
         # kernel time well below the profiled call's wall time is GPU idle: the host launching too slowly
@@ -201,7 +206,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--vocab", type=int, default=65536)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=8, help="timed micro-steps: their median and range (default: %(default)s)")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--no-attention", action="store_true")
@@ -245,16 +250,18 @@ def main(argv=None):
             (Path(a.out) / "train_step.json").write_text(json.dumps({**out, "variants": rows}, indent=1) + "\n")
     base = next((r for r in rows if "error" not in r), None)
     trained = " | after training: ms | tok/s | vs first" if a.train_steps else ""
-    log(f"\n| variant | micro-step ms | tok/s | vs first | MFU | optimizer ms | peak GiB{trained} |")
+    log(f"\n| variant | micro-step ms, median (range) of {a.iters} | tok/s | vs first (range over pairs) | MFU | optimizer ms "
+        f"| peak GiB{trained} |")
     log("| --- | --- | --- | --- | --- | --- | ---" + " | --- | --- | ---" * bool(a.train_steps) + " |")
     for r in rows:
         if "error" in r:
             log(f"| {r['variant']} | failed: {r['error'][:120]} | | | | | |")
             continue
         mfu = f"{100 * flops * r['micro_tok_s'] / peak:.1f}%" if peak else "n/a"
-        after = (f" | {r['micro_ms_trained']:.1f} | {r['micro_tok_s_trained']:,.0f} | "
-                 f"{base['micro_ms_trained'] / r['micro_ms_trained']:.2f}x") if a.train_steps else ""
-        log(f"| {r['variant']} | {r['micro_ms']:.1f} | {r['micro_tok_s']:,.0f} | {base['micro_ms'] / r['micro_ms']:.2f}x | "
+        after = (f" | {fmt(spread(r['micro_ms_trained_all'], 2), '.1f')} | {r['micro_tok_s_trained']:,.0f} | "
+                 f"{fmt(speedup(base['micro_ms_trained_all'], r['micro_ms_trained_all']), '.3f', 'x')}") if a.train_steps else ""
+        vs = fmt(speedup(base["micro_ms_all"], r["micro_ms_all"]), ".3f", "x")
+        log(f"| {r['variant']} | {fmt(r['micro_ms_spread'], '.1f')} | {r['micro_tok_s']:,.0f} | {vs} | "
             f"{mfu} | {r['optimizer_ms']:.1f} | {r['peak_gib']:.1f}{after} |")
 
 

@@ -74,7 +74,7 @@ class KVCache:
     instead of SDPA with a boolean mask over every slot. Only for callers that compile the blocks:
     uncompiled, FlexAttention runs its reference implementation, which is slow, materialises every
     score, ignores which blocks a row visits and cannot run inside a CUDA graph capture. Why the
-    engine's graphs use it: model/engine.py's DecodeGraphs.
+    engine's graphs use it: model/decode_graphs.py's DecodeGraphs.
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype, flex: bool = False):
@@ -114,7 +114,7 @@ class KVCache:
 QUERY_SPAN = 1 << 16  # the query block of `cache_block_mask`: longer than any chunk a cache takes at once
 # FlexAttention's kernel for one new token a row: query tiles of 16 rows (its default tiles 128 when the
 # batch size is not fixed at compile time, as in the engine's graphs) read 64 slots at a time
-# (bench/results/h200-flex-2026-12-04)
+# (bench/results/serving.md, "The cache read by FlexAttention")
 FLEX_DECODE_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -160,7 +160,7 @@ class Attention(nn.Module):
         q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
         # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only the attention kernel sees (B, H, T, D).
         # Backward then writes the fused q/k/v gradient with one cheaper copy (a shorter bf16 micro-step
-        # than heads-first: bench/results/h200-d20-2026-12-03b)
+        # than heads-first: bench/results/precision.md, "Attention layout")
         q = q.reshape(B, T, self.n_head, self.head_dim)
         k = k.reshape(B, T, self.n_kv_head, self.head_dim)
         v = v.reshape(B, T, self.n_kv_head, self.head_dim)
@@ -283,7 +283,7 @@ class GPT(nn.Module):
         """What every block takes: the embedded stream and its norm, the RoPE tables at each token's
         position and, with a cache, the positions and the mask of the slots each token sees. A method of
         its own, as `head` is; the engine leaves it uncompiled (compiled, it saved nothing in a decode
-        step: bench/results/h200-flex-2026-12-04, run 1)."""
+        step: bench/results/serving.md, "The cache read by FlexAttention")."""
         T = idx.shape[1]
         if kv_cache is None:
             if T > self.rope_len:

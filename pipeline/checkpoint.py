@@ -93,6 +93,13 @@ def _write_record(path: Path, record: dict) -> None:
     write_atomic(_sidecar(path), lambda p: p.write_text(json.dumps(record) + "\n"))
 
 
+def _torch_save(obj, path: Path) -> None:
+    # through a Python file, so a failed write raises OSError with its errno (write_atomic names a full
+    # disk from it); given a path, torch's own writer raises RuntimeErrors that name neither
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def save_checkpoint(path: Path, model, optimizer, step: int, data_state: dict, fp: str, extra: dict) -> None:
     """Writes the checkpoint to `path` (last.pt); the one it replaces becomes prev.pt. Every moment of the
     sequence leaves one checkpoint that passes its check, so a crash anywhere loses at most this one."""
@@ -105,7 +112,7 @@ def save_checkpoint(path: Path, model, optimizer, step: int, data_state: dict, f
         fsync_dir(path.parent)
     state = {"model": portable_state_dict(model), "optimizer": optimizer.state_dict(), "step": step,
              "data": data_state, "rng": rng_state(), "fingerprint": fp, "extra": extra}
-    write_atomic(path, lambda p: torch.save(state, p))
+    write_atomic(path, lambda p: _torch_save(state, p))
     _write_record(path, file_record(path))  # last: the commit point
 
 
@@ -219,7 +226,7 @@ def save_sharded(path: Path, model, optimizers: list, step: int, data_state: dic
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs every file it writes
     if rank == 0:
         state = {"step": step, "data": data_state, "rng": rng_state(), "fingerprint": fp, "extra": extra}
-        write_atomic(tmp / TRAIN_STATE, lambda p: torch.save(state, p))
+        write_atomic(tmp / TRAIN_STATE, lambda p: _torch_save(state, p))
     barrier()
     record = _folder_record(tmp)
     if rank == 0:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
+from model.model_dir import CHECKSUMS, ModelDirError, NoRoomError, load_model_dir, save_model_dir
 from model.optim import CombinedOptimizer, build_optimizer
 from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
 from model.peak_flops import peak_flops
@@ -519,3 +519,6 @@ def main(stage: str) -> None:
         launch(p.runtime, f"pipeline.{stage}", lambda: train(stage, p))
     except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError) as e:
         raise SystemExit(f"{stage}: {e}") from None
+    except NoRoomError as e:  # what was written before stays: the next run resumes from the last checkpoint
+        raise SystemExit(f"{stage}: {e}. Free some space and run it again: it resumes from its last complete "
+                         f"checkpoint") from None

@@ -47,7 +47,7 @@ def prompts():
 
 
 def fill(model, cache, upto: int) -> None:
-    """The cache state where the seeded flake showed (bench/results/h200-determinism-2026-12-04b): the
+    """The cache state where the seeded flake showed (bench/results/serving.md, "Repeatability on the GPU"): the
     longest prompt prefilled as the engine does it (its default chunk, then the rest), then decode
     positions len(prompt)..upto-1, position p fed id p % 4096. One row; its length is reset first."""
     long, chunk = prompts()[8], EngineConfig.prefill_chunk
@@ -108,7 +108,7 @@ def test_seeded_sampling_is_reproducible_under_graphs():
 def test_decode_attention_repeats_bit_for_bit_in_an_engines_process(graphs):
     """The seeded flake's cause: with cuDNN's SDPA kernel, this decode forward over 1,024 cache slots
     gave other bits for the same cache and input in most repeats on the H200
-    (bench/results/h200-determinism-2026-12-04b, run 9). Both of an engine's attention paths must not:
+    (bench/results/serving.md, "Repeatability on the GPU"). Both of an engine's attention paths must not:
     SDPA's masked one (no graphs; the engine keeps SDPA off cuDNN's kernel) and the graphs' path
     (blocks compiled, a FlexAttention cache)."""
     model = gpu_model_bf16()

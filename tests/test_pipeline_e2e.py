@@ -187,3 +187,29 @@ def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):
                      rf"of {re.escape(str(ckpt.with_name('prev.pt')))}", r.stderr), r.stderr[-3000:]
     assert len(list((proj / ckpt.parent).glob("last.pt.damaged-*"))) == 1
     assert json.loads((proj / paths.details_file("pretrain")).read_text())["steps"] == 40
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_next_run_finishes(tmp_path):
+    """pretrain under a file-size limit (RLIMIT_FSIZE, `ulimit -f`) below its checkpoint's size: the first
+    checkpoint write fails, and the stage says so in one line naming the file and the free space (no
+    traceback); the next run, without the limit, finishes."""
+    import resource
+    proj = make_project(tmp_path, TINY)
+    dvc(proj, "repro", "tokenize")
+    limit = 128 * 1024  # the tiny model's checkpoint (weights and Muon/AdamW state) is about 1 MB; no file before it passes 128 KiB
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([sys.executable, "-m", "pipeline.pretrain"], cwd=proj, env=env(), capture_output=True,
+                       text=True, timeout=300, preexec_fn=cap)
+    ckpt = paths.checkpoint_dir("pretrain") / "last.pt"
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "RuntimeError" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"pretrain: cannot write {re.escape(str(ckpt))}: the file size limit of this process "
+                        rf"\(`ulimit -f`\) reached; [\d.]+ \S+ free on the filesystem holding "
+                        rf"{re.escape(str(ckpt.parent))}\. Free some space and run it again: .*", last), last
+    assert not (proj / ckpt.with_name("last.pt.tmp")).exists()
+    assert ran_stages(dvc(proj, "repro", "pretrain").stdout) == ["pretrain"]
+    assert json.loads((proj / paths.details_file("pretrain")).read_text())["steps"] == TINY["pretrain"]["steps"]

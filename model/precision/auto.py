@@ -7,8 +7,8 @@ Choice, in order:
    probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers than
    the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the probe
-   measured on an H200 at d20 (bench/results/h200-d20-2026-12-03e, -03f and -03g; bench/results/
-   README.md). fp8 with its defaults first (needs only torch and, for its cast kernel, Triton, else
+   measured on an H200 at d20 (bench/results/precision.md, "Micro-step time by backend" and "fp8's
+   cast kernel"). fp8 with its defaults first (needs only torch and, for its cast kernel, Triton, else
    its casts go inline). Delayed scaling measured as fast, but its scales lag a step, so the default
    dynamic scaling goes first. Then te-fp8 with its defaults (slower than fp8 in the same run; needs
    Transformer Engine), then bf16. NVFP4 is never chosen without a probe (its loss needs checking

@@ -18,11 +18,11 @@ They live in one autograd Function under torch.compile. Where the casts run (`ca
     to bf16 before FP8, as TE's inputs are; inline casts round fp32 straight to FP8. Its FP8 copy
     of each input is saved for the backward, where the compiler would recompute an inline cast:
     more memory than inline casts, still below bf16 (bench/saved_activations.py shows the saved
-    tensors; measured in bench/results/README.md);
+    tensors: bench/results/precision.md, "Saved activations");
   - `inline`: the casts are plain tensor code that Inductor fuses into the neighbouring kernels. It
     then writes the transposed copy from kernels whose iteration order suits only the row-major one,
-    and those kernels cost more than the GEMMs save (bench/results/README.md, "Where the micro-step's
-    time goes").
+    and those kernels cost more than the GEMMs save (bench/results/precision.md, "Where the
+    micro-step goes").
 Uncompiled, the inline casts are separate memory passes and FP8 is slower than bf16.
 With `cast: kernel`, `mlp: fused` also runs each relu^2 MLP as one autograd Function whose
 squared ReLU (and its backward) happens inside the cast op: the first GEMM's bf16 output goes
@@ -42,7 +42,7 @@ Delayed scaling (`scaling: delayed`), TE's DelayedScaling recipe: the activation
 gradient scales come from the largest amax of the last `amax_history_len` steps, so the cast need not
 wait for this step's amax. With `cast: kernel` that removes the separate amax passes over activations
 and gradients (the op records the amax it finds while casting; the small weights keep theirs); with
-inline casts it bought nothing (both measured: bench/results/README.md). The first step (and the
+inline casts it bought nothing (bench/results/precision.md, "fp8's cast kernel"). The first step (and the
 first after a resume) scales dynamically. Under data parallelism the histories are reduced to their
 maximum over ranks every step (`sync_ranks`).
 
@@ -52,7 +52,7 @@ binade rather than on the maximum; relative precision is the same. Such a scale 
 amax crosses a power of two, so with dynamic scaling and `cast: kernel` the cast op starts from last
 step's scale and casts again only when this step's differs (fp8_cast.cast_transpose_pow2): dynamic
 scaling, bit for bit, without the separate amax passes: faster than exact scales at the same loss
-(bench/results/h200-d20-2026-12-03f, the reason it is the default).
+(bench/results/precision.md, "fp8's cast kernel": the reason it is the default).
 
 On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
 it brings no speedup there (the log says so). Backend name: `fp8`.

@@ -4,8 +4,8 @@ Hopper's FP8 GEMM takes only K-major operands, so the weight-gradient GEMM dW = 
 x stored transposed (tokens contiguous) next to the row-major copies the other GEMMs use. Left to
 torch.compile, the cast and the transposed write land inside whatever kernel produced the tensor
 (QK-norm/RoPE backward, squared-ReLU backward), whose iteration order suits the row-major write only:
-on the H200 those kernels took far longer than their memory traffic needs (bench/results/README.md,
-fourth session, and h200-d20-2026-12-03b). Here the cast is one custom op, opaque to the
+on the H200 those kernels took far longer than their memory traffic needs (bench/results/precision.md,
+"fp8's cast kernel"). Here the cast is one custom op, opaque to the
 compiler: on CUDA a Triton kernel reads a tile from memory, scales, saturates and rounds it, and
 writes it twice (as is and transposed, both coalesced; the transposed copy from a second read of the
 same tile, which L2 serves); elsewhere the same arithmetic in plain torch. The producer then writes an
@@ -123,7 +123,7 @@ if triton is not None:
         # so no FP8 tile is transposed in registers. Transposing the cast tile (tl.trans, or a store
         # through transposed pointers) gave wrong transposed bytes on the H200 with Triton 3.6 in two
         # cases we hit (fp32 tiles; srelu_grad at 64x64), cause not found; this way was right in every
-        # case tried (bench/gpu/transpose_variants.py) and in the GPU test.
+        # case tried (bench/results/precision.md, "fp8's cast kernel") and in the GPU test.
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
         xt = _activated(x_ptr, h_ptr, rows[None, :] * N + cols[:, None], mask_t, ACT)
         tl.store(qt_ptr + cols[:, None] * M + rows[None, :], _to_fp8_bytes(xt, scale, fmax, OUT_DTYPE), mask=mask_t)

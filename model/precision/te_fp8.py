@@ -75,7 +75,7 @@ def _data_parallel_group():
 
 class TEFp8Backend(PrecisionBackend):
     """Options: `TEFp8Options` (params `precision.te_fp8`). Which recipe and modules are the defaults,
-    and why, is measured in bench/results/README.md (h200-d20-2026-12-03c and -03g)."""
+    and why: bench/results/precision.md, "Transformer Engine"."""
     name = "te-fp8"
     options: TEFp8Options
 

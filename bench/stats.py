@@ -1,0 +1,39 @@
+"""How every benchmark here reports a figure: the median of its runs or rounds with their range.
+
+Never the best of N: on a shared machine the best round is the one that ran alone, which a user will
+not see. A ratio is taken within one round (both sides measured back to back), and its spread is the
+spread of those per-round ratios.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Iterable
+
+
+def spread(values: Iterable[float], digits: int = 4) -> dict:
+    """{"median", "min", "max", "n"} of the values (at least one)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("spread() of no values: a benchmark round produced nothing to report")
+    return {"median": round(statistics.median(vals), digits), "min": round(min(vals), digits),
+            "max": round(max(vals), digits), "n": len(vals)}
+
+
+def fmt(s: dict, spec: str = ",.1f", unit: str = "") -> str:
+    """`median (min–max)`, the form the results pages use (an en dash, so negative bounds read)."""
+    return f"{s['median']:{spec}}{unit} ({s['min']:{spec}}–{s['max']:{spec}}{unit})"
+
+
+def ratios(num: list[float], den: list[float]) -> list[float]:
+    """Per-round ratios num[i] / den[i]: both sides of each measured in the same round."""
+    if len(num) != len(den):
+        raise ValueError(f"ratios of {len(num)} and {len(den)} rounds: each round needs both sides")
+    return [n / d for n, d in zip(num, den)]
+
+
+def speedup(ref: list[float], other: list[float], digits: int = 4) -> dict:
+    """How many times faster `other` ran than `ref`, from the times of rounds that were not paired (one
+    measured after the other): the ratio of the medians, its range over every pair of rounds."""
+    return {"median": round(statistics.median(ref) / statistics.median(other), digits),
+            "min": round(min(ref) / max(other), digits), "max": round(max(ref) / min(other), digits),
+            "n": min(len(ref), len(other))}
