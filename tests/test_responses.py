@@ -10,6 +10,7 @@ import pytest
 
 from model.chat import render
 from serve.api import Settings, create_app
+from serve.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,6 +123,33 @@ def test_400_names_the_field(client, kw, param):
         client.responses.create(**kw)
     err = e.value.response.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], err
+
+
+class BrokenModel:
+    """The engine's model, failing at every decode step (the prompt's forward works: a failure there
+    loses the request in today's engine), so each request ends with the engine's 'error'."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids, *a, **kw):
+        if ids.shape[1] == 1:
+            raise RuntimeError("broken on purpose")
+        return self.model(ids, *a, **kw)
+
+
+def test_an_engine_failure_is_a_failed_response(serve_start, serve_model_dir):
+    def loader(metrics):
+        rt = Runtime.load(serve_model_dir, metrics, "cpu")
+        rt.engine.model = BrokenModel(rt.engine.model)
+        return rt
+
+    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.responses.create(model="sparkchat", input="Hi", max_output_tokens=4)
+    assert r.status == "failed" and r.error.code == "server_error" and r.incomplete_details is None
+    events = list(client.responses.create(model="sparkchat", input="Hi", max_output_tokens=4, stream=True))
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
 
 
 def test_404_unknown_model(client):
