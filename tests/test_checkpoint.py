@@ -156,6 +156,32 @@ def test_a_finished_stage_removes_its_checkpoints_but_not_damaged_ones(run):
     assert len(left) == 2 and all(".damaged-" in name for name in left), left
 
 
+def test_damaged_checkpoints_moved_aside_are_bounded(run, monkeypatch):
+    """Four incidents, each moving a damaged last.pt aside (and an old damaged sharded folder already
+    there): only the KEEP_DAMAGED newest stay, each with its checksum file; the message names the deleted."""
+    import types
+    from pipeline import checkpoint
+    path, model, opt = run
+    clock = iter(f"20260101-00000{i}" for i in range(1, 10))
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(strftime=lambda fmt: next(clock)))
+    old_dcp = path.with_name("last.dcp.damaged-20250101-000000")
+    old_dcp.mkdir(parents=True)
+    (old_dcp / "__0_0.distcp").write_bytes(b"shard")
+    path.with_name("last.dcp.sha256.damaged-20250101-000000").write_text("{}")
+    messages = []
+    for step in (2, 4, 6, 8):
+        save_at(path, model, opt, step)
+        overwrite_4k(path)
+        messages.append(load_checkpoint(path, FP)[1])
+    left = sorted(p.name for p in path.parent.iterdir() if ".damaged-" in p.name)
+    assert checkpoint.KEEP_DAMAGED == 2 and left == [
+        "last.pt.damaged-20260101-000003", "last.pt.damaged-20260101-000004",
+        "last.pt.sha256.damaged-20260101-000003", "last.pt.sha256.damaged-20260101-000004"], left
+    assert "deleted" not in messages[0]
+    assert "older damaged checkpoints deleted, the newest 2 kept: last.dcp.damaged-20250101-000000" in messages[1]
+    assert messages[3].endswith("kept: last.pt.damaged-20260101-000002); starting from step 0"), messages[3]
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux), whose every write is ENOSPC")
 def test_a_full_disk_is_one_error_naming_the_file_and_the_free_space(run):
     """The kernel's own ENOSPC: the temporary file the save writes first is made a link to /dev/full.

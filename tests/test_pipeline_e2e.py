@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from project_files import copy_project
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,8 +50,7 @@ def deep_update(d: dict, u: dict) -> dict:
 
 def make_project(tmp: Path, overrides: dict) -> Path:
     proj = tmp / "proj"
-    shutil.copytree(ROOT, proj, ignore=shutil.ignore_patterns(".git", "artifacts", "__pycache__", "tmp", "*.egg-info",
-                                                              "test-artifacts", ".gpu-stage", ".whl", "bench"))
+    copy_project(ROOT, proj, leave_out=("bench",))  # the project's files only: never a .venv or caches
     params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), overrides)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["dvc", "config", "core.no_scm", "true"], cwd=proj, check=True, capture_output=True)
