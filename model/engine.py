@@ -380,6 +380,7 @@ class Engine:
         if not new:
             return
         start = len(self.active)
+        self.active.extend(new)  # before the forward: if it fails, `_loop` ends them with the rest
         chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
         self._set_lens(start, [0] * len(new))
         for b, r in enumerate(new):
@@ -398,7 +399,6 @@ class Engine:
         for b, (r, c) in enumerate(zip(new, chunks)):
             r.prefilled = len(c)
             self._record_prompt_logprobs(r, logits[b, :len(c)], 0)
-        self.active.extend(new)
         ready = [b for b, r in enumerate(new) if not r.prefilling and self._prompt_read(r)]
         if ready:
             last = torch.tensor([lasts[b] for b in ready], device=self.device)

@@ -289,6 +289,39 @@ def test_cancelling_a_waiting_request_frees_the_queue(engine_factory):
     gate.set()
 
 
+def test_a_failing_forward_ends_its_requests_with_an_error(engine_factory):
+    """A forward that raises (here every prompt's first chunk, or a decode step) ends the requests in it
+    with Finished('error') naming the exception, never leaves one waiting for ever, and the engine
+    serves the next request."""
+
+    class FailingModel(ScriptModel):
+        fail_prefill, fail_decode = True, False
+
+        def forward(self, idx, kv_cache, kv_len=None):
+            if idx.shape[1] > 1 and self.fail_prefill or idx.shape[1] == 1 and self.fail_decode:
+                raise RuntimeError("broken on purpose")
+            return super().forward(idx, kv_cache, kv_len)
+
+    model = FailingModel({1: 2, 2: 3, 3: 1})
+    e = engine_factory(model, max_batch=4)
+
+    def finished(prompt: list[int]) -> Finished:
+        box, done = [], threading.Event()
+        e.submit(prompt, SamplingParams(temperature=0, max_tokens=4),
+                 lambda ev: isinstance(ev, Finished) and (box.append(ev), done.set()))
+        assert done.wait(10), "the request never finished"
+        return box[0]
+
+    for prompt in ([1, 2, 3], [2, 3]):
+        f = finished(prompt)
+        assert f.reason == "error" and "broken on purpose" in f.error, f
+    assert finished([1]).reason == "length"  # its one-id prompt passes, as a decode step does
+    model.fail_prefill, model.fail_decode = False, True
+    assert finished([1, 2]).reason == "error"
+    model.fail_decode = False
+    assert finished([1, 2]) == Finished("length", 2, 4)
+
+
 def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
     e = engine_factory(serve_model, max_batch=2)
 
