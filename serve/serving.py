@@ -79,6 +79,9 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
 def _message(i: int, m: ChatMessage) -> dict:
     """A request message for the renderer: an assistant turn sent back with its `sparkchat_parts`
     renders from them (tool calls, results and answer line as the model wrote them)."""
+    if m.role in ("system", "developer") and i:  # OpenAI's models take these anywhere; this one as trained
+        raise APIError(400, f"messages[{i}]: a {m.role} message may only come first (this model takes one "
+                            f"system prompt, before the conversation)", f"messages[{i}].role")
     if m.sparkchat_parts is None:  # a developer message is the system prompt (OpenAI's newer name for it)
         return {"role": "system" if m.role == "developer" else m.role, "content": m.model_dump()["content"]}
     if m.role != "assistant":

@@ -73,6 +73,8 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, *HI]},
      "messages[0].tool_calls", "does not support it"),
     ({"model": None}, "model", "must be a string (got null)"),
+    ({"messages": [*HI, {"role": "developer", "content": "Be brief."}]}, "messages[1].role",
+     "a developer message may only come first"),
 ])
 def test_the_message_names_the_rule_broken(server, body, param, says):
     err = refused(post(server, "/v1/chat/completions", {"model": "sparkchat", "messages": HI, **body}))
