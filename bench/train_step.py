@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from model.gpt import GPT
 from model.optim import orthogonalize
+from model.peak_flops import peak_flops
 from model.precision import LayerFilter
 from model.precision.options import TEFp8Options
 from model.precision.base import compile_model
@@ -209,7 +210,8 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--no-attention", action="store_true")
-    p.add_argument("--flops-peak", type=float, default=989.0)
+    p.add_argument("--flops-peak", type=float,
+                   help="TFLOP/s that MFU divides by (default: this GPU's dense BF16 peak, model/peak_flops.py)")
     p.add_argument("--train-steps", type=int, default=0,
                    help="after timing at init, train this many steps and time the micro-step again")
     p.add_argument("--out")
@@ -218,8 +220,10 @@ def main(argv=None):
     log = lambda s: print(s, flush=True)  # noqa: E731
     cfg = model_config(a.depth, a.seq_len, a.vocab)
     flops = GPT.flops_per_token(type("M", (), {"config": cfg})())
+    peak, peak_about = (a.flops_peak * 1e12, f"MFU against --flops-peak {a.flops_peak} TFLOP/s") if a.flops_peak \
+        else peak_flops("cuda")
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__}: depth {a.depth} width {cfg.n_embd}, "
-        f"{a.batch}x{a.seq_len} tokens per micro-step, {flops / 1e9:.2f} GFLOP/token")
+        f"{a.batch}x{a.seq_len} tokens per micro-step, {flops / 1e9:.2f} GFLOP/token; {peak_about}")
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, depth=a.depth, batch=a.batch,
                seq_len=a.seq_len, flops_per_token=flops)
     if not a.no_attention:
@@ -253,12 +257,12 @@ def main(argv=None):
         if "error" in r:
             log(f"| {r['variant']} | failed: {r['error'][:120]} | | | | | |")
             continue
-        mfu = flops * r["micro_tok_s"] / (a.flops_peak * 1e12)
+        mfu = f"{100 * flops * r['micro_tok_s'] / peak:.1f}%" if peak else "n/a"
         after = (f" | {fmt(spread(r['micro_ms_trained_all'], 2), '.1f')} | {r['micro_tok_s_trained']:,.0f} | "
                  f"{fmt(speedup(base['micro_ms_trained_all'], r['micro_ms_trained_all']), '.3f', 'x')}") if a.train_steps else ""
         vs = fmt(speedup(base["micro_ms_all"], r["micro_ms_all"]), ".3f", "x")
         log(f"| {r['variant']} | {fmt(r['micro_ms_spread'], '.1f')} | {r['micro_tok_s']:,.0f} | {vs} | "
-            f"{100 * mfu:.1f}% | {r['optimizer_ms']:.1f} | {r['peak_gib']:.1f}{after} |")
+            f"{mfu} | {r['optimizer_ms']:.1f} | {r['peak_gib']:.1f}{after} |")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ class KVCache:
     instead of SDPA with a boolean mask over every slot. Only for callers that compile the blocks:
     uncompiled, FlexAttention runs its reference implementation, which is slow, materialises every
     score, ignores which blocks a row visits and cannot run inside a CUDA graph capture. Why the
-    engine's graphs use it: model/engine.py's DecodeGraphs.
+    engine's graphs use it: model/decode_graphs.py's DecodeGraphs.
     """
 
     def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype, flex: bool = False):

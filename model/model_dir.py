@@ -15,17 +15,22 @@ only then).
 Every file is written to a temporary name, fsynced and renamed, and checksums.json comes last, so a save
 cut short by a crash or a power cut leaves a directory that fails its check rather than one that loads
 half old, half new. Loading verifies each file against checksums.json and names the first one that is
-missing, truncated or overwritten (`ModelDirError`); a directory without checksums.json (written before
-checksums existed, or by another tool) loads with a warning. The pipeline's checkpoints use the same
-helpers (`write_atomic`, `file_record`, `check_file`).
+missing, truncated or overwritten (`ModelDirError`). A sparkchat directory without checksums.json is
+refused: nothing can tell its weights from damaged ones (4 KiB overwritten loads and answers garbage), so
+it loads only when the user says they trust it (`TRUST_ENV`, named in the error). A transformers
+directory from elsewhere carries no checksums by nature and loads with a warning. The pipeline's
+checkpoints use the same helpers (`write_atomic`, `file_record`, `check_file`).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -45,10 +50,25 @@ REQUIRED = ("config.json", WEIGHTS, "tokenizer.json")
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_REQUIRED = ("config.json", (WEIGHTS, WEIGHTS_INDEX), "tokenizer.json")
 DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
+# set to 1 to load a sparkchat model directory that has no checksums.json (its files unverified)
+TRUST_ENV = "SPARKCHAT_TRUST_UNVERIFIED_MODEL"
 
 
 class ModelDirError(Exception):
     """A model directory that cannot be loaded; the message names the directory and the file."""
+
+
+# a write that failed for want of room: its errno, and what it means in words
+NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+           errno.EFBIG: "the file size limit of this process (`ulimit -f`) reached"}
+
+
+class NoRoomError(OSError):
+    """A file could not be written for want of room; the message is one line naming the file and the
+    space left on its filesystem."""
+
+    def __str__(self) -> str:
+        return self.strerror  # the line itself, without OSError's "[Errno 28]"
 
 
 # ---- files written atomically, with a checksum to verify them by ----
@@ -68,17 +88,53 @@ def temp_name(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
+def _write_errno(e: BaseException | None) -> int | None:
+    """The errno of a failed write: an OSError's own, or the one Rust's io::Error prints ("... (os error
+    28)"), which safetensors and tokenizers raise as their own exception types. Looked for down the
+    chain: torch.save's writer raises a RuntimeError of its own while the OSError is being handled."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found:
+            return int(found.group(1))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def no_room_error(path: Path, code: int) -> NoRoomError:
+    """The one-line error for a write of `path` that failed with errno `code` (a key of NO_ROOM)."""
+    free = shutil.disk_usage(path.parent).free
+    return NoRoomError(code, f"cannot write {path}: {NO_ROOM[code]}; {_size(free)} free on the filesystem "
+                             f"holding {path.parent}")
+
+
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` writes the file under a temporary name; it is fsynced, then renamed over `path`, so a
-    crash leaves either the old file or the new one, each complete."""
+    crash leaves either the old file or the new one, each complete. A write that fails for want of room
+    (a full disk, a quota, `ulimit -f`) removes the partial file and raises NoRoomError."""
     path = Path(path)
     tmp = temp_name(path)
-    write(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the bytes reach the disk before the name points at them
-    finally:
-        os.close(fd)
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the bytes reach the disk before the name points at them
+        finally:
+            os.close(fd)
+    except Exception as e:
+        code = _write_errno(e)
+        if code not in NO_ROOM:
+            raise
+        tmp.unlink(missing_ok=True)  # the partial file would only hold on to the space that ran out
+        raise no_room_error(path, code) from None
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -126,7 +182,8 @@ def _stat_key(path: Path) -> tuple | None:
 
 def verify_model_dir(path: str | Path) -> None:
     """Checks every file against checksums.json; raises ModelDirError naming the first bad one. Without
-    checksums.json only the required files' presence is checked, with a warning."""
+    checksums.json a sparkchat directory is refused unless `TRUST_ENV` is 1; a transformers directory
+    (or a trusted one) has only its required files' presence checked, with a warning."""
     path = Path(path)
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} does not exist")
@@ -151,9 +208,16 @@ def verify_model_dir(path: str | Path) -> None:
         if not any((path / name).is_file() for name in names):
             kind = "complete Hugging Face model" if hf else "sparkchat model"
             raise ModelDirError(f"{path} is not a {kind} directory: {' or '.join(names)} is missing")
-    if not manifest.is_file():
-        log.warning("%s has no %s (written before model directories carried checksums, or by another tool): "
-                    "its files are loaded unverified", path, CHECKSUMS)
+    if manifest.is_file():
+        return
+    if not hf and os.environ.get(TRUST_ENV) != "1":
+        raise ModelDirError(
+            f"model directory {path} has no {CHECKSUMS}, so its files cannot be verified: every sparkchat save "
+            f"writes it last, so without it the save was cut short or the file was lost, and damaged weights would "
+            f"load and answer garbage. If DVC made it, `dvc checkout --force {path}` restores it; if you trust these "
+            f"files, set {TRUST_ENV}=1")
+    log.warning("%s has no %s (%s): its files are loaded unverified", path, CHECKSUMS,
+                "a transformers directory" if hf else f"trusted by {TRUST_ENV}=1")
 
 
 def is_hf_dir(path: str | Path) -> bool:

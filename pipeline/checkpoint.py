@@ -13,6 +13,7 @@ A checkpoint file is fsynced before its rename, and its checksum is written afte
 counts only once its checksum file matches it. On load, a checkpoint that is truncated, empty,
 overwritten or without its checksum (what a power cut or a full disk can leave) is moved aside to
 `<name>.damaged-<time>` with a message naming it, and the stage resumes from prev.pt or from step 0.
+The folder keeps the newest KEEP_DAMAGED (2) of those, deleting older ones, so they cannot pile up.
 
 Under FSDP (`runtime.parallel: fsdp`) no rank holds the whole model, so a checkpoint is a folder
 written by every rank through `torch.distributed.checkpoint` (DCP): `last.dcp/` and `prev.dcp/`, each
@@ -93,6 +94,13 @@ def _write_record(path: Path, record: dict) -> None:
     write_atomic(_sidecar(path), lambda p: p.write_text(json.dumps(record) + "\n"))
 
 
+def _torch_save(obj, path: Path) -> None:
+    # through a Python file, so a failed write raises OSError with its errno (write_atomic names a full
+    # disk from it); given a path, torch's own writer raises RuntimeErrors that name neither
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def save_checkpoint(path: Path, model, optimizer, step: int, data_state: dict, fp: str, extra: dict) -> None:
     """Writes the checkpoint to `path` (last.pt); the one it replaces becomes prev.pt. Every moment of the
     sequence leaves one checkpoint that passes its check, so a crash anywhere loses at most this one."""
@@ -105,18 +113,40 @@ def save_checkpoint(path: Path, model, optimizer, step: int, data_state: dict, f
         fsync_dir(path.parent)
     state = {"model": portable_state_dict(model), "optimizer": optimizer.state_dict(), "step": step,
              "data": data_state, "rng": rng_state(), "fingerprint": fp, "extra": extra}
-    write_atomic(path, lambda p: torch.save(state, p))
+    write_atomic(path, lambda p: _torch_save(state, p))
     _write_record(path, file_record(path))  # last: the commit point
 
 
-def _move_aside(path: Path) -> Path:
-    """Renames a damaged checkpoint (and its checksum file) out of the way, kept for inspection."""
-    suffix = f".damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+# Damaged checkpoints moved aside that a stage's folder keeps, newest first. One load moves aside at most
+# two (last and prev, when both are hit), so the latest incident is always kept whole for inspection, and
+# the kept copies never take more room than the two live checkpoints do; older ones are deleted, named.
+KEEP_DAMAGED = 2
+DAMAGED = ".damaged-"
+
+
+def _prune_damaged(folder: Path) -> list[str]:
+    """Deletes all but the KEEP_DAMAGED newest damaged checkpoints in `folder` (each with its checksum
+    file); returns the names deleted. The time in the name orders them (sortable, to the second)."""
+    moved = [p for p in folder.glob(f"*{DAMAGED}*") if ".sha256" + DAMAGED not in p.name]
+    moved.sort(key=lambda p: (p.name.rpartition(DAMAGED)[2], p.name), reverse=True)
+    for p in moved[KEEP_DAMAGED:]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        base, _, when = p.name.rpartition(DAMAGED)
+        (folder / f"{base}.sha256{DAMAGED}{when}").unlink(missing_ok=True)
+    return [p.name for p in moved[KEEP_DAMAGED:]]
+
+
+def _move_aside(path: Path) -> str:
+    """Renames a damaged checkpoint (and its checksum file) out of the way, kept for inspection, and
+    prunes the older ones; returns what it did, in words, for the log."""
+    suffix = f"{DAMAGED}{time.strftime('%Y%m%d-%H%M%S')}"
     dest = path.with_name(path.name + suffix)
     for src, dst in ((path, dest), (_sidecar(path), _sidecar(path).with_name(_sidecar(path).name + suffix))):
         with contextlib.suppress(FileNotFoundError):  # under torchrun another rank may have moved it first
             os.replace(src, dst)
-    return dest
+    removed = _prune_damaged(path.parent)
+    return f"moved aside to {dest}" + (f" (older damaged checkpoints deleted, the newest {KEEP_DAMAGED} kept: "
+                                       f"{', '.join(removed)})" if removed else "")
 
 
 def _damage(path: Path) -> str | None:
@@ -141,7 +171,7 @@ def load_checkpoint(path: Path, fp: str) -> tuple[dict | None, str]:
             except Exception as e:  # intact bytes this code cannot read: as unusable as damaged ones
                 problem = f"cannot be read ({type(e).__name__}: {e})"
         if problem:
-            notes.append(f"damaged checkpoint {candidate} {problem}; moved aside to {_move_aside(candidate)}")
+            notes.append(f"damaged checkpoint {candidate} {problem}; {_move_aside(candidate)}")
             continue
         if ckpt.get("fingerprint") != fp:
             notes.append(f"checkpoint {candidate} is from a different configuration or inputs")
@@ -219,7 +249,7 @@ def save_sharded(path: Path, model, optimizers: list, step: int, data_state: dic
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs every file it writes
     if rank == 0:
         state = {"step": step, "data": data_state, "rng": rng_state(), "fingerprint": fp, "extra": extra}
-        write_atomic(tmp / TRAIN_STATE, lambda p: torch.save(state, p))
+        write_atomic(tmp / TRAIN_STATE, lambda p: _torch_save(state, p))
     barrier()
     record = _folder_record(tmp)
     if rank == 0:
@@ -256,7 +286,7 @@ def load_sharded(path: Path, model, optimizers: list, fp: str) -> tuple[dict | N
         problem = next((p for p in all_gather(problem) if p), None)
         if problem:
             moved = broadcast(_move_aside(candidate) if _rank()[0] == 0 else None)
-            notes.append(f"damaged checkpoint {candidate} {problem}; moved aside to {moved}")
+            notes.append(f"damaged checkpoint {candidate} {problem}; {moved}")
             continue
         if state.get("fingerprint") != fp:
             notes.append(f"checkpoint {candidate} is from a different configuration or inputs")

@@ -1,43 +1,49 @@
 """params.yaml -> typed, validated dataclasses. One source of configuration for every stage.
 
-`load_params()` reads params.yaml, overlays `profiles/<profile>.yaml` when `profile` is set, and
-checks every key before any work starts: an unknown key, a wrong type or an impossible value raises
-`ConfigError` naming the key (e.g. `pretrain.matrix_lr`). One dial, `model.depth`, sets the model's
-width and heads (and through them the learning-rate scaling and the pretraining token budget).
+Each section is a settings dataclass (model/settings.py: types, allowed values as `Literal[...]`,
+`MINIMUM`, and `check()` for what relates several fields), whose defaults are params.yaml's values (a test
+keeps them equal) and whose docstrings document each knob. `load_params()` reads params.yaml, overlays
+`profiles/<profile>.yaml` when `profile` is set, and checks every key before any work starts: an
+unknown key, a wrong type or an impossible value raises `ConfigError` naming the key (e.g.
+`pretrain.matrix_lr`). One dial, `model.depth`, sets the model's width and heads (and through them the
+learning-rate scaling and the pretraining token budget).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import yaml
 
-from model.precision.options import (BACKEND_NAMES, BACKEND_OPTIONS, AutoOptions, Fp8Options, LayerFilter, Nvfp4Options,
-                                     OptionError, Options, TEFp8Options, TERecipe, choices, parse_entry)
+from model.precision.options import (BACKEND_NAMES, BACKEND_OPTIONS, AutoOptions, BackendName, Fp8Options, LayerFilter,
+                                     Nvfp4Options, Options, ProbeOptions, TEFp8Options)
+from model.settings import SettingError, Settings
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
-PARALLEL = ("ddp", "fsdp")  # runtime.parallel
-
-
-class ConfigError(ValueError):
-    pass
+ConfigError = SettingError  # what every stage catches: a bad setting, named by its key
+StageBackend = Literal[("",) + BACKEND_NAMES]  # a stage's backend; "" = precision.backend
 
 
 @dataclass
-class ModelParams:
+class ModelParams(Settings):
+    """The model's shape (pretrain builds it; later stages read it from the model directory)."""
+    KEY: ClassVar[str] = "model"
+    MINIMUM: ClassVar[dict[str, float]] = {"depth": 1, "aspect_ratio": 1, "head_dim": 2, "kv_head_ratio": 1,
+                                           "seq_len": 1}
     depth: int = 4
     """The one dial: number of transformer blocks. Width = depth * aspect_ratio."""
-    aspect_ratio: int = 64
-    """Width per layer of depth (nanochat uses 64)."""
-    head_dim: int = 64
+    aspect_ratio: int = 32
+    """Width per layer of depth: 32 keeps the default model narrow for a 2-core CPU (nanochat and the GPU
+    profiles use 64)."""
+    head_dim: int = 32
     """Channels per attention head (128 on GPU)."""
-    kv_head_ratio: int = 1
+    kv_head_ratio: int = 2
     """Query heads per key/value head (grouped-query attention); 1 = plain multi-head."""
-    seq_len: int = 256
+    seq_len: int = 128
     """Training context length in tokens."""
 
     @property
@@ -49,7 +55,7 @@ class ModelParams:
         return self.n_embd // self.head_dim
 
     def check(self, key: str) -> None:
-        _positive(self, key, "depth", "aspect_ratio", "head_dim", "kv_head_ratio", "seq_len")
+        super().check(key)
         if self.n_embd % self.head_dim:
             raise ConfigError(f"{key}.head_dim={self.head_dim} does not divide the width "
                               f"depth*aspect_ratio={self.n_embd}")
@@ -61,7 +67,11 @@ class ModelParams:
 
 
 @dataclass
-class DataParams:
+class DataParams(Settings):
+    """What the prepare stage reads: the pretraining text, the conversations and the generated tasks."""
+    KEY: ClassVar[str] = "data"
+    MINIMUM: ClassVar[dict[str, float]] = {"max_docs_per_source": 0, "pretrain_tokens": 0, "synthetic_train": 0,
+                                           "synthetic_eval": 0}
     pretrain_sources: list[str] = field(default_factory=lambda: ["builtin:shakespeare"])
     """Text sources: 'builtin:shakespeare', a local .txt/.jsonl/.parquet path, or 'hub:<id>[:<config>]'."""
     chat_sources: list[str] = field(default_factory=lambda: ["builtin:synthetic", "builtin:chatterbot"])
@@ -70,6 +80,7 @@ class DataParams:
     text_field: str = "text"
     """Column holding the text in local/hub text sources."""
     hub_split: str = "train"
+    """Split of a hub dataset to read."""
     max_docs_per_source: int = 0
     """Cap on documents/conversations read from each source (0 = all; hub chat sources need a cap)."""
     pretrain_tokens: int = 0
@@ -78,7 +89,9 @@ class DataParams:
     params), at least the tokenizer's train_chars and enough validation text for pretrain.eval_tokens,
     x 1.2, at an assumed 4 characters a token (pipeline/prepare.py, pretrain_token_budget)."""
     val_fraction: float = 0.05
-    synthetic_train: int = 24000
+    """Share held out for validation: of the pretraining text's chunks (each by a hash of its text) and of the
+    shuffled conversations."""
+    synthetic_train: int = 12000
     """Generated training exchanges (arithmetic, spelling, facts, identity, multiple choice)."""
     synthetic_multi_turn: float = 0.5
     """Share of the generated exchanges asked once more inside conversations of two or three exchanges
@@ -87,15 +100,14 @@ class DataParams:
     synthetic_eval: int = 200
     """Held-out generated items per eval task (never in training data)."""
     seed: int = 1337
+    """Seed of the generated exchanges, of the conversations' shuffle and of the validation split."""
 
     def check(self, key: str) -> None:
+        super().check(key)
         if not self.pretrain_sources:
             raise ConfigError(f"{key}.pretrain_sources must name at least one source")
         if not 0.0 < self.val_fraction < 0.5:
             raise ConfigError(f"{key}.val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        for name in ("max_docs_per_source", "synthetic_train", "synthetic_eval", "pretrain_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{key}.{name} must be >= 0")
         if not 0.0 <= self.synthetic_multi_turn <= 1.0:
             raise ConfigError(f"{key}.synthetic_multi_turn must be in [0, 1], got {self.synthetic_multi_turn}")
         for src in self.chat_sources:  # text sources stop at the token budget; conversations need a cap
@@ -104,31 +116,28 @@ class DataParams:
 
 
 @dataclass
-class TokenizerParams:
-    vocab_size: int = 4096
+class TokenizerParams(Settings):
+    """The byte-level BPE the tokenizer stage trains."""
+    KEY: ClassVar[str] = "tokenizer"
+    MINIMUM: ClassVar[dict[str, float]] = {"vocab_size": 300, "train_chars": 1}
+    vocab_size: int = 2048
+    """Tokens in the vocabulary: 256 bytes, the special tokens and the learned merges (at least 300)."""
     train_chars: int = 3_000_000
     """Characters of training text the BPE is trained on."""
 
-    def check(self, key: str) -> None:
-        if self.vocab_size < 300:
-            raise ConfigError(f"{key}.vocab_size must be >= 300 (256 bytes + special tokens + merges)")
-        _positive(self, key, "train_chars")
-
 
 @dataclass
-class PrecisionParams:
+class PrecisionParams(Settings):
     """The backend, and one block of options per backend: the backends' own dataclasses
     (model/precision/options.py declares their fields, defaults and allowed values, and checks them)."""
-    backend: str = "bf16"
-    """One of model.precision.options.BACKEND_NAMES. Stages may override."""
+    KEY: ClassVar[str] = "precision"
+    backend: BackendName = "bf16"
+    """The backend of every training stage (a stage's own `backend` overrides it)."""
     fp8: Fp8Options = field(default_factory=Fp8Options)
     te_fp8: TEFp8Options = field(default_factory=TEFp8Options)
     nvfp4: Nvfp4Options = field(default_factory=Nvfp4Options)
     auto: AutoOptions = field(default_factory=AutoOptions)
     layer_filter: LayerFilter = field(default_factory=LayerFilter)
-
-    def check(self, key: str) -> None:
-        _choice(self.backend, BACKEND_NAMES, f"{key}.backend")
 
     def options_for(self, backend: str) -> Options | None:
         """The typed options backend `backend` runs with (None for one that takes none). auto without a
@@ -143,40 +152,58 @@ class PrecisionParams:
 
 
 @dataclass
-class TrainParams:
+class TrainParams(Settings):
     """Settings of one training stage (pretrain, midtrain and sft each have their own block)."""
-    backend: str = ""
+    MINIMUM: ClassVar[dict[str, float]] = {"total_batch_tokens": 1, "device_batch": 1, "steps": 0, "eval_every": 1,
+                                           "eval_tokens": 1, "checkpoint_every": 1, "log_every": 1, "weight_decay": 0,
+                                           "grad_clip": 0}
+    backend: StageBackend = ""
     """Precision backend for this stage; empty = precision.backend."""
     total_batch_tokens: int = 8192
     """Tokens per optimizer step across all ranks (gradient accumulation fills the gap)."""
-    device_batch: int = 16
+    device_batch: int = 32
     """Sequences per micro-step on one device."""
     steps: int = 0
     """Optimizer steps; 0 = derive (pretrain: param_data_ratio x params tokens; others: epochs)."""
-    param_data_ratio: float = 20.0
-    """Pretrain token budget as tokens per parameter when steps = 0 (Chinchilla ~20)."""
+    param_data_ratio: float = 1.0
+    """Pretrain only: its token budget as tokens per matmul parameter when steps = 0. 1 keeps the CPU
+    default to minutes; Chinchilla's ~20 is what the GPU profiles use."""
     epochs: float = 1.0
     """Midtrain/SFT passes over their data when steps = 0."""
     matrix_lr: float = 0.02
+    """Learning rate of the matrices (Muon, or AdamW with use_muon false)."""
     embedding_lr: float = 0.2
+    """AdamW learning rate of the token embeddings."""
     head_lr: float = 0.004
+    """AdamW learning rate of the output head."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     use_muon: bool = True
+    """Muon for the matrices; false: AdamW for everything."""
     warmup_frac: float = 0.0
+    """Share of the steps the learning rate ramps up over."""
     warmdown_frac: float = 0.4
+    """Share of the steps at the end over which it falls linearly to final_lr_frac."""
     final_lr_frac: float = 0.0
+    """The learning rate at the last step, as a share of the peak."""
     grad_clip: float = 1.0
+    """Largest gradient norm (0 = no clipping)."""
     eval_every: int = 100
-    eval_tokens: int = 65536
-    checkpoint_every: int = 50
-    log_every: int = 10
+    """Steps between validation passes (and one at the end)."""
+    eval_tokens: int = 32768
+    """Validation tokens per pass, the same on any number of ranks."""
+    checkpoint_every: int = 25
+    """Steps between checkpoints (a killed stage resumes from the last one)."""
+    log_every: int = 5
+    """Steps between rows of the loss plot (each a host sync)."""
     seed: int = 42
+    """Seed of the initial weights (pretrain), of torch's generator and of the conversations' order (SFT)."""
 
     def check(self, key: str) -> None:
-        if self.backend:
-            _choice(self.backend, BACKEND_NAMES, f"{key}.backend")
-        _positive(self, key, "total_batch_tokens", "device_batch", "param_data_ratio", "epochs",
-                  "eval_every", "eval_tokens", "checkpoint_every", "log_every")
+        super().check(key)
+        for name in ("param_data_ratio", "epochs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key}.{name} must be > 0, got {getattr(self, name)}")
         for name in ("matrix_lr", "embedding_lr", "head_lr"):
             if not 0.0 < getattr(self, name) < 10.0:
                 raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
@@ -185,21 +212,21 @@ class TrainParams:
                 raise ConfigError(f"{key}.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.warmup_frac + self.warmdown_frac > 1.0:
             raise ConfigError(f"{key}.warmup_frac + {key}.warmdown_frac must be <= 1")
-        if self.steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError(f"{key}.steps, grad_clip and weight_decay must be >= 0")
 
 
 def _default_mid() -> TrainParams:
-    return TrainParams(epochs=1.0, warmdown_frac=0.5, matrix_lr=0.01, embedding_lr=0.1, head_lr=0.002)
+    return TrainParams(warmdown_frac=0.5, matrix_lr=0.01, embedding_lr=0.1, head_lr=0.002)
 
 
 def _default_sft() -> TrainParams:
-    return TrainParams(epochs=1.0, warmdown_frac=1.0, matrix_lr=0.005, embedding_lr=0.05, head_lr=0.001)
+    return TrainParams(total_batch_tokens=4096, warmdown_frac=1.0, matrix_lr=0.005, embedding_lr=0.05, head_lr=0.001,
+                       eval_tokens=16384)
 
 
 @dataclass
-class BenchmarkParams:
+class BenchmarkParams(Settings):
     """One standard benchmark of the evaluate stage (pipeline/benchmarks.py reads and scores it)."""
+    MINIMUM: ClassVar[dict[str, float]] = {"shots": 0}
     source: str = ""
     """'' skips the task; a local .jsonl/.json/.parquet file in the dataset's own schema (read with
     `datasets`); or 'hub:<id>[:<config>]' (downloaded by `datasets`, needs internet)."""
@@ -207,23 +234,33 @@ class BenchmarkParams:
     """Solved examples of the same task before each item: as text for base models (CORE-style), as
     earlier turns of the conversation for chat models."""
 
+    def check(self, key: str) -> None:
+        super().check(key)
+        check_benchmark_source(self.source, f"{key}.source")
+
+
+def _fixture(name: str):
+    """A benchmark's default source: the few items of it committed under tests/fixtures/evals (the real
+    dataset's schema), so the default run scores every benchmark offline; the GPU profiles name the hub."""
+    return field(default_factory=lambda: BenchmarkParams(f"tests/fixtures/evals/{name}.jsonl"))
+
 
 @dataclass
-class BenchmarksParams:
+class BenchmarksParams(Settings):
     """The field's benchmarks, in their own schemas. Base models are scored by log-likelihood,
     chat models by generation (pipeline/evaluate.py says which is which)."""
-    arc_easy: BenchmarkParams = field(default_factory=BenchmarkParams)
+    arc_easy: BenchmarkParams = _fixture("arc_easy")
     """ARC-Easy (hub:allenai/ai2_arc:ARC-Easy): grade-school science, 3-5 choices."""
-    arc_challenge: BenchmarkParams = field(default_factory=BenchmarkParams)
+    arc_challenge: BenchmarkParams = _fixture("arc_challenge")
     """ARC-Challenge (hub:allenai/ai2_arc:ARC-Challenge): the questions simple methods got wrong."""
-    mmlu: BenchmarkParams = field(default_factory=BenchmarkParams)
+    mmlu: BenchmarkParams = _fixture("mmlu")
     """MMLU (hub:cais/mmlu:all): 57 subjects, 4 choices, answered with a letter."""
-    hellaswag: BenchmarkParams = field(default_factory=BenchmarkParams)
+    hellaswag: BenchmarkParams = _fixture("hellaswag")
     """HellaSwag (hub:Rowan/hellaswag): the most plausible of 4 endings of an everyday scene."""
-    lambada: BenchmarkParams = field(default_factory=BenchmarkParams)
+    lambada: BenchmarkParams = _fixture("lambada")
     """LAMBADA (hub:EleutherAI/lambada_openai:default): the last word of a passage (language modelling;
     base models only)."""
-    gsm8k: BenchmarkParams = field(default_factory=BenchmarkParams)
+    gsm8k: BenchmarkParams = _fixture("gsm8k")
     """GSM8K (hub:openai/gsm8k:main): grade-school word problems, the number after '####' (chat models
     only)."""
 
@@ -232,20 +269,16 @@ BENCHMARK_FILE_TYPES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass
-class EvaluateParams:
-    max_items: int = 200
+class EvaluateParams(Settings):
+    """What the evaluate stage scores each model on."""
+    KEY: ClassVar[str] = "evaluate"
+    MINIMUM: ClassVar[dict[str, float]] = {"max_items": 1, "max_new_tokens": 1}
+    max_items: int = 100
     """Items per eval task: the held-out synthetic items, and of each benchmark a seeded sample."""
     max_new_tokens: int = 48
     """Tokens a chat model may generate per answer."""
     benchmarks: BenchmarksParams = field(default_factory=BenchmarksParams)
-
-    def check(self, key: str) -> None:
-        _positive(self, key, "max_items", "max_new_tokens")
-        for f in dataclasses.fields(self.benchmarks):
-            b, where = getattr(self.benchmarks, f.name), f"{key}.benchmarks.{f.name}"
-            if b.shots < 0:
-                raise ConfigError(f"{where}.shots must be >= 0, got {b.shots}")
-            check_benchmark_source(b.source, f"{where}.source")
+    """The field's benchmarks: each one's source and shots."""
 
 
 def check_benchmark_source(source: str, key: str) -> None:
@@ -273,10 +306,13 @@ def resolve_source(source: str) -> str:
 
 
 @dataclass
-class RuntimeParams:
+class RuntimeParams(Settings):
+    """Where the training stages run: the device, compilation, and the processes and machines."""
+    KEY: ClassVar[str] = "runtime"
+    MINIMUM: ClassVar[dict[str, float]] = {"threads": 0, "nproc": 1, "nnodes": 1, "timeout_s": 1}
     device: str = "auto"
     """auto | cpu | cuda | cuda:N"""
-    compile: str = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
     """auto (compile on CUDA) | on | off"""
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
@@ -293,7 +329,7 @@ class RuntimeParams:
     rdzv_endpoint: str = ""
     """host:port of node 0, where the machines meet (torchrun's --master-addr/--master-port); also the
     address an srun or mpirun job meets at when the launcher does not set MASTER_ADDR/MASTER_PORT."""
-    parallel: str = "ddp"
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     """ddp (every rank holds the whole model; gradients all-reduced) | fsdp (FSDP2 `fully_shard`:
     weights, gradients and optimizer state sharded over the ranks; compute in the backend's dtype,
     fp32 master weights; checkpoints through torch.distributed.checkpoint, loadable by any rank count)."""
@@ -302,11 +338,9 @@ class RuntimeParams:
     one that vanished without closing its connections (a rank killed outright is noticed at once)."""
 
     def check(self, key: str) -> None:
+        super().check(key)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{key}.device must be auto, cpu, cuda or cuda:N, got '{self.device}'")
-        _choice(self.compile, ("auto", "on", "off"), f"{key}.compile")
-        _choice(self.parallel, PARALLEL, f"{key}.parallel")
-        _positive(self, key, "nproc", "nnodes", "timeout_s")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"{key}.node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), "
                               f"got {self.node_rank}")
@@ -325,34 +359,8 @@ class RuntimeParams:
 
 
 @dataclass
-class ProbeParams:
-    """`sparkchat probe` / `dvc repro bench/dvc.yaml`: every backend for a few steps on this machine."""
-    steps: int = 20
-    depth: int = 4
-    seq_len: int = 128
-    batch: int = 4
-    vocab: int = 2048
-    seed: int = 0
-    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
-                                                         "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
-    """Backend names, or name:key=value[,key=value] with the keys of the backend's options
-    (fp8:scaling=delayed, te-fp8:current for its recipe, fp8:skip= for a layer skip list of its own)."""
-    te_recipes: list[str] = field(default_factory=lambda: list(choices(TERecipe)))
-    """Recipes a bare `te-fp8` entry expands to."""
-
-    def check(self, key: str) -> None:
-        _positive(self, key, "steps", "depth", "seq_len", "batch", "vocab")
-        for i, b in enumerate(self.backends):
-            try:
-                parse_entry(b)
-            except OptionError as e:
-                raise ConfigError(f"{key}.backends[{i}]: {e}") from None
-        for r in self.te_recipes:
-            _choice(r, choices(TERecipe), f"{key}.te_recipes")
-
-
-@dataclass
-class Params:
+class Params(Settings):
+    """params.yaml: one section per concern, each stage reading those STAGE_SECTIONS names."""
     profile: str = ""
     """Name of a file in profiles/ whose values override this file ('' = none)."""
     model: ModelParams = field(default_factory=ModelParams)
@@ -364,85 +372,14 @@ class Params:
     midtrain: TrainParams = field(default_factory=_default_mid)
     sft: TrainParams = field(default_factory=_default_sft)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
-    probe: ProbeParams = field(default_factory=ProbeParams)
-
-    def check(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if hasattr(v, "check"):
-                v.check(f.name)
+    probe: ProbeOptions = field(default_factory=ProbeOptions)
+    """`sparkchat probe` and bench/dvc.yaml's probe stage (model/precision/options.py ProbeOptions)."""
 
     def backend_for(self, stage: str) -> str:
         return getattr(self, stage).backend or self.precision.backend
 
 
 # -- loading ---------------------------------------------------------------------------------------
-
-def _positive(obj, key, *names):
-    for n in names:
-        if getattr(obj, n) <= 0:
-            raise ConfigError(f"{key}.{n} must be > 0, got {getattr(obj, n)}")
-
-
-def _choice(value, choices, key):
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got '{value}'")
-
-
-def _coerce(value, tp, key):
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {type(value).__name__} ({value!r})")
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return value
-    raise TypeError(tp)
-
-
-def _build(cls, data, key, base=None):
-    if issubclass(cls, Options):  # a backend's options check themselves, naming the key
-        try:
-            return cls.from_dict(data, base)
-        except OptionError as e:
-            raise ConfigError(str(e)) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key or 'params'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{key}." if key else ""
-        raise ConfigError(f"unknown key '{where}{unknown[0]}' (known keys: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        sub = f"{key}.{f.name}" if key else f.name
-        current = getattr(base, f.name) if base is not None else None
-        if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], data.get(f.name), sub, current)
-        elif f.name in data:
-            kwargs[f.name] = _coerce(data[f.name], hints[f.name], sub)
-        elif base is not None:
-            kwargs[f.name] = current
-    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
-
 
 def _read_yaml(path: Path) -> dict:
     try:
@@ -455,7 +392,7 @@ def _read_yaml(path: Path) -> dict:
 
 
 def params_from_dict(data: dict, profiles_dir: Path | None = None) -> Params:
-    params = _build(Params, data, "")
+    params = Params.from_dict(data, "")
     if params.profile:
         pdir = profiles_dir or ROOT / "profiles"
         path = pdir / f"{params.profile}.yaml"
@@ -465,8 +402,7 @@ def params_from_dict(data: dict, profiles_dir: Path | None = None) -> Params:
         overlay = _read_yaml(path)
         if "profile" in overlay:
             raise ConfigError(f"{path}: a profile cannot set 'profile'")
-        params = _build(Params, overlay, "", base=params)
-    params.check()
+        params = Params.from_dict(overlay, "", base=params)
     return params
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from sparkchat import paths
 
+from .metrics import VAL_BPB
+
 PARAM_STAGES = ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate")
 
 
@@ -83,13 +85,17 @@ def training_section() -> str:
                    "`hub:` ones are Hugging Face datasets).")
     rows = []
     for stage in paths.TRAIN_STAGES:
-        m = read_json(paths.metrics_file(stage))
-        if m:
-            rows.append([stage, m.get("backend_label", m.get("backend")), m.get("device"), m.get("steps"),
-                         m.get("tokens"), m.get("final_loss"), m.get("val_bpb")])
+        m, d = read_json(paths.metrics_file(stage)), read_json(paths.details_file(stage))
+        if m and d:
+            val = m.get(VAL_BPB.get(stage, ""))
+            rows.append([stage, d.get("backend_label", d.get("backend")), d.get("device"), d.get("steps"),
+                         d.get("tokens"), m.get("train_loss"),
+                         None if val is None else f"{fmt(val)} ({VAL_BPB[stage].removeprefix('val_bpb_')})"])
     if rows:
-        out.append("Precision backend and figures per stage (DVC metrics, `reports/<stage>/metrics.json`):\n\n"
-                   + table(["stage", "precision backend", "device", "steps", "tokens", "final loss", "val bpb"], rows))
+        out.append("Precision backend and figures per stage (DVC metrics, `reports/<stage>/metrics.json` and "
+                   "`details.json`; validation bits per byte on held-out text, on every token of held-out "
+                   "conversations, or on their replies only):\n\n"
+                   + table(["stage", "precision backend", "device", "steps", "tokens", "train loss", "val bpb"], rows))
     sections = {}  # each stage's file holds the sections it reads; a section is the same in every file
     for p in params.values():
         sections |= p or {}

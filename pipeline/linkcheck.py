@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         p = load_params(a.params)
         runtime = p.runtime
         if a.node_rank is not None:
-            runtime = dataclasses.replace(runtime, node_rank=a.node_rank)
-            runtime.check("runtime")
+            runtime = dataclasses.replace(runtime, node_rank=a.node_rank)  # checked again on construction
         env_names = [k for k in os.environ if k.startswith(("NCCL_", "GLOO_"))]
         if env_names and int(os.environ.get("RANK", 0)) == 0:
             print("link-check: " + ", ".join(f"{k}={os.environ[k]}" for k in sorted(env_names)), file=sys.stderr)

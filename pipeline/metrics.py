@@ -7,6 +7,13 @@ import json
 import os
 from pathlib import Path
 
+from sparkchat import paths
+
+# each training stage's validation bits per byte, named for the data it is measured on: the held-out
+# pretraining text, every token of the held-out conversations, and only the assistant's replies in them (the
+# tokens SFT learns)
+VAL_BPB = {"pretrain": "val_bpb_text", "midtrain": "val_bpb_chat", "sft": "val_bpb_replies"}
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
@@ -18,6 +25,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, data: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_reports(stage: str, headline: dict | None = None, details: dict | None = None,
+                  timings: dict | None = None) -> None:
+    """A stage's reports (sparkchat/paths.py), those it has: its headline metrics, the rest of what its inputs
+    decide, and its timings (git-ignored)."""
+    if headline is not None:
+        write_json(paths.metrics_file(stage), headline)
+    if details is not None:
+        write_json(paths.details_file(stage), details)
+    if timings is not None:
+        write_json(paths.timings_file(stage), timings)
 
 
 class TSVLog:

@@ -29,7 +29,7 @@ from . import synthetic
 from sparkchat import paths
 
 from .config import ConfigError, Params, load_params
-from .metrics import write_json
+from .metrics import write_json, write_reports
 from .sources import SourceError, iter_conversations, iter_documents
 
 CHUNK_CHARS = 4000
@@ -197,8 +197,8 @@ def prepare_pretrain(p: Params, folder: Path, shard_chars: int = SHARD_CHARS, gr
     return info
 
 
-def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None, shard_chars: int = SHARD_CHARS,
-            group_chars: int = ROW_GROUP_CHARS) -> dict:
+def prepare(p: Params, out: Path = paths.DATA, shard_chars: int = SHARD_CHARS, group_chars: int = ROW_GROUP_CHARS) -> dict:
+    """Writes the data under `out`; returns what it read (the stage's details report)."""
     d = p.data
     out.mkdir(parents=True, exist_ok=True)
     # -- pretraining text, streamed to shards (paths.PRETRAIN_SHARDS relative to `out`)
@@ -239,15 +239,15 @@ def prepare(p: Params, out: Path = paths.DATA, metrics: Path | None = None, shar
         "pretrain_budget_reached": pre["budget_reached"], "empty_docs_skipped": pre["empty_docs_skipped"],
         "chat_train": len(train), "chat_val": len(val), "eval_items": {k: len(v) for k, v in evals.items()},
     }
-    write_json(metrics or out / "prepare.json", stats)
     return stats
 
 
 def main(argv=None) -> None:
     try:
-        stats = prepare(load_params(stage="prepare"), metrics=paths.metrics_file("prepare"))
+        stats = prepare(load_params(stage="prepare"))
     except (ConfigError, SourceError) as e:
         raise SystemExit(f"prepare: {e}") from None
+    write_reports("prepare", details=stats)  # counts of what it read: no headline metric
     print(f"prepare: {stats['pretrain_train_chars']:,} train chars in {stats['pretrain_train_docs']} pieces, "
           f"{stats['pretrain_val_chars']:,} val chars ({stats['pretrain_shards']} shards; token budget "
           f"{'reached' if stats['pretrain_budget_reached'] else 'not reached: the sources ran out'}; "

@@ -13,32 +13,23 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .config import ConfigError, ProbeParams, load_params
+from model.precision.options import ProbeOptions
 
-# flag -> help; each flag overrides the ProbeParams field of its name, whose default the help shows
-HELP = {
-    "steps": "training steps per entry",
-    "depth": "model depth (width 64 x depth)",
-    "seq_len": "tokens per sequence",
-    "batch": "sequences per step",
-    "vocab": "vocabulary size of the synthetic data",
-    "seed": "seed of the model and of the data",
-    "backends": "entries: a backend name, or name:key=value[,key=value] with the keys of its options "
-                "(params.yaml precision.<backend>), e.g. fp8:scaling=delayed, te-fp8:current (a recipe), "
-                "fp8:skip= (its own layer skip list; empty: convert every layer)",
-    "te_recipes": "TE recipes a bare te-fp8 entry expands to",
-}
+from .config import ConfigError, load_params
+
+# a flag per ProbeOptions field, named for it: it overrides the field, and its help is the field's docstring
+FLAGS = [f.name for f in dataclasses.fields(ProbeOptions)]
 
 
 def parser() -> argparse.ArgumentParser:
-    defaults = ProbeParams()
+    defaults, docs = ProbeOptions(), ProbeOptions.docs()
     p = argparse.ArgumentParser(prog="sparkchat probe", description=__doc__.splitlines()[0],
                                 epilog="Without --params the defaults are those of params.yaml's `probe:` section "
-                                       "(pipeline/config.py ProbeParams); a flag overrides either.")
+                                       "(model/precision/options.py ProbeOptions); a flag overrides either.")
     p.add_argument("--params", metavar="YAML",
                    help="read the `probe:` section of this params file (and its profile) (default: none)")
-    for name, text in HELP.items():
-        default = getattr(defaults, name)
+    for name in FLAGS:
+        default, text = getattr(defaults, name), docs[name].rstrip(".")
         kw = dict(nargs="+") if isinstance(default, list) else dict(type=type(default))
         shown = " ".join(default) if isinstance(default, list) else default
         p.add_argument("--" + name.replace("_", "-"), **kw, help=f"{text} (default: {shown})")
@@ -63,14 +54,12 @@ def main(argv=None):
         return
     # through the same loader as training: a misspelt key or a bad entry stops here, naming it
     try:
-        probe = load_params(a.params).probe if a.params else ProbeParams()
-        overrides = {k: getattr(a, k) for k in HELP if getattr(a, k) is not None}
-        probe = dataclasses.replace(probe, **overrides)
-        probe.check("probe")
+        probe = load_params(a.params).probe if a.params else ProbeOptions()
+        overrides = {k: getattr(a, k) for k in FLAGS if getattr(a, k) is not None}
+        probe = dataclasses.replace(probe, **overrides)  # checked again, flags included
     except ConfigError as e:
         raise SystemExit(f"probe: {e}") from None
-    out = run_probe(**dataclasses.asdict(probe), tokens=a.tokens, device=a.device, compile=not a.no_compile,
-                    out_dir=a.out)
+    out = run_probe(probe, tokens=a.tokens, device=a.device, compile=not a.no_compile, out_dir=a.out)
     print(to_markdown(out))
 
 

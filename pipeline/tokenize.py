@@ -37,7 +37,7 @@ from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
 from .data import INDEX, DataError, iter_shard_batches, read_shard_index, token_dtype
-from .metrics import write_json
+from .metrics import write_json, write_reports
 
 
 class TokenizeError(RuntimeError):
@@ -218,9 +218,10 @@ def main(argv=None) -> None:
         stats = tokenize_all(tok)
     except (TokenizeError, DataError) as e:
         raise SystemExit(f"tokenize: {e}") from None
-    write_json(paths.metrics_file("tokenize"), stats)
+    timings = {k: stats.pop(k) for k in ("text_mb_per_s", "text_tokens_per_s")}
+    write_reports("tokenize", details=stats, timings=timings)  # token counts (no headline metric), MB/s
     print(f"tokenize: {stats['pretrain_train_tokens']:,} train / {stats['pretrain_val_tokens']:,} val tokens of text "
-          f"({stats['bytes_per_token']} bytes a token, {stats['text_mb_per_s']} MB/s); {stats['mid_train_tokens']:,} "
+          f"({stats['bytes_per_token']} bytes a token, {timings['text_mb_per_s']} MB/s); {stats['mid_train_tokens']:,} "
           f"midtrain, {stats['sft_train_tokens']:,} sft, {stats['chat_val_tokens']:,} chat val tokens", file=sys.stderr)
 
 

@@ -17,7 +17,7 @@ from sparkchat import paths
 
 from .config import Params, load_params
 from .data import shard_texts
-from .metrics import write_json
+from .metrics import write_reports
 
 REPORT_DOCS = 2000  # validation documents the compression report encodes (a fixed sample, not all of them)
 
@@ -46,19 +46,18 @@ def bytes_per_token(tok: SparkTokenizer, texts: list[str]) -> float:
     return n_bytes / max(1, n_tokens)
 
 
-def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENIZER.parent,
-                    report_file: Path | None = None) -> dict:
+def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENIZER.parent) -> dict:
+    """Trains and saves the tokenizer; returns its size and its bytes a token on held-out text."""
     tok = SparkTokenizer.train(training_text(data, p.tokenizer.train_chars), p.tokenizer.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(out / "tokenizer.json")
     val = list(itertools.islice(shard_texts(data / paths.PRETRAIN_SHARDS.relative_to(paths.DATA), "val"), REPORT_DOCS))
-    report = {"vocab_size": tok.vocab_size, "val_bytes_per_token": round(bytes_per_token(tok, val), 4)}
-    write_json(report_file or out / "report.json", report)
-    return report
+    return {"vocab_size": tok.vocab_size, "val_bytes_per_token": round(bytes_per_token(tok, val), 4)}
 
 
 def main(argv=None) -> None:
-    report = train_tokenizer(load_params(stage="tokenizer"), report_file=paths.metrics_file("tokenizer"))
+    report = train_tokenizer(load_params(stage="tokenizer"))
+    write_reports("tokenizer", {"val_bytes_per_token": report["val_bytes_per_token"]})  # vocab_size is the param's
     print(f"tokenizer: vocab {report['vocab_size']}, {report['val_bytes_per_token']} bytes/token on val text",
           file=sys.stderr)
 

@@ -1,17 +1,17 @@
 """The one training loop behind pretrain, midtrain and SFT.
 
-`train(stage, params)`:
-  1. picks the device and the precision backend, and checks the backend can run here (before any data
-     is read or anything written: a refusal costs nothing);
-  2. builds the model (pretrain: from the depth dial; later stages: from the previous stage's model
-     directory), applies the backend (the one place low precision enters), compiles on CUDA, spreads
-     it over the ranks (model/parallel.py: DDP, or FSDP2 with `runtime.parallel: fsdp`) and builds
-     Muon+AdamW;
-  3. resumes from the stage's checkpoint if one matches this configuration (written on any number of
+`train(stage, params)` runs its parts in order:
+  1. `start`: picks the device and the precision backend, and checks the backend can run here (before any
+     data is read or anything written: a refusal costs nothing), and joins the process group;
+  2. `build`: the model (pretrain: from the depth dial; later stages: from the previous stage's model
+     directory), with the backend applied (the one place low precision enters), spread over the ranks
+     (model/parallel.py: DDP, or FSDP2 with `runtime.parallel: fsdp`), the batches and Muon+AdamW;
+  3. `resume`: from the stage's checkpoint if one matches this configuration (written on any number of
      ranks: the data order and a step's batches do not depend on it);
-  4. trains with gradient accumulation to `total_batch_tokens`, a warmup/constant/warmdown schedule,
-     a progress bar (tokens/s, ETA), periodic val bits-per-byte and atomic checkpoints;
-  5. writes the model directory (full-precision safetensors), metrics JSON and a TSV plot.
+  4. `loop`: gradient accumulation to `total_batch_tokens` (`optimizer_step`), a warmup/constant/warmdown
+     schedule, a progress bar (tokens/s, ETA), periodic val bits-per-byte and atomic checkpoints (`save`);
+  5. `finish`: the model directory (full-precision safetensors) and the metrics; the TSV plot grows as
+     the loop logs.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +29,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
-from model.optim import build_optimizer
+from model.model_dir import CHECKSUMS, ModelDirError, NoRoomError, load_model_dir, save_model_dir
+from model.optim import CombinedOptimizer, build_optimizer
 from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
-from model.precision import get_backend
+from model.peak_flops import peak_flops
+from model.precision import PrecisionBackend, get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
@@ -42,7 +43,7 @@ from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, r
                          save_sharded, set_rng_state)
 from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
 from .data import ChatBatches, DataError, TokenStream, open_tokens
-from .metrics import TSVLog, write_json
+from .metrics import VAL_BPB, TSVLog, write_reports
 from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
 
 M = paths.MODEL_DIRS
@@ -55,33 +56,28 @@ STAGES = {
 CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256; under FSDP the "
                    "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
                    "one removes them.\n")
-TIMINGS = ("tokens_per_s", "tokens_per_s_sustained", "mfu", "gpu_idle_frac")  # in the metrics, not the model dir
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "GB10": 209e12, "B200": 2250e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
-
-class GpuIdle:
-    """How long the GPU waited for the host while training: a CUDA event where the host starts handing
-    the GPU a micro-step (its batch) and one where that work ends. The stream reaches a start event only
-    once the host has queued it, so end -> next start is time the GPU had nothing queued (a slow loader,
-    the host's own bookkeeping). Read only on steps the loop synchronises anyway."""
+class IdleClock:
+    """How long the device waited for the host while training: a mark where the host starts handing the
+    device a micro-step's work, once its batch is in hand (waiting for the loader is idle time), and one
+    where that work ends. On a GPU the marks are CUDA events: the stream reaches a start event only once the
+    host has queued it, so end -> next start is time the GPU had nothing queued (a slow loader, the host's
+    own bookkeeping). On a CPU the work is done before each call returns, so the host's clock at each mark
+    measures the same. Read only on steps the loop synchronises anyway."""
 
     def __init__(self, device: torch.device):
-        self.on = device.type == "cuda"
-        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
         self.idle_s = self.busy_s = 0.0
 
     def _mark(self, kind: str) -> None:
-        if self.on:
+        if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.marks.append((kind, ev))
+        else:
+            ev = _HostClock()
+        self.marks.append((kind, ev))
 
     def start(self) -> None:
         self._mark("start")
@@ -96,7 +92,7 @@ class GpuIdle:
     def read(self, count: bool) -> None:
         """Add the gaps since the last read to the totals when `count`; keep the last end mark, from
         which the next gap is measured."""
-        if not self.on or not self.marks:
+        if not self.marks:
             return
         self.marks[-1][1].synchronize()
         if count:
@@ -110,7 +106,20 @@ class GpuIdle:
 
     def fraction(self) -> float | None:
         total = self.idle_s + self.busy_s
-        return round(self.idle_s / total, 4) if self.on and total else None
+        return round(self.idle_s / total, 4) if total else None
+
+
+class _HostClock:
+    """A CPU's stand-in for a CUDA event: the host's clock when it was made."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: "_HostClock") -> float:
+        return (later.t - self.t) * 1e3  # milliseconds, as CUDA events give
 
 
 def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
@@ -193,15 +202,63 @@ def check_shared_folder(folder: Path, rank: int) -> None:
                           f"the same path (README, \"Several machines\")")
 
 
-def train(stage: str | None, p: Params) -> dict:
-    """Runs `stage`, or with None (a rank `sparkchat join` started) the stage global rank 0 runs."""
+@dataclass
+class Run:
+    """One training stage's parts, made by `build`: what `loop` trains and `finish` saves."""
+    stage: str
+    p: Params
+    t: TrainParams
+    backend: PrecisionBackend
+    device: torch.device
+    rank: int
+    world: int
+    tok: SparkTokenizer
+    model: torch.nn.Module  # what runs a step: the model, or under FSDP its sharded form
+    optimizer: CombinedOptimizer
+    train_batches: TokenStream | ChatBatches
+    val_batches: TokenStream | ChatBatches
+    grad_accum: int
+    steps: int
+    use_compile: bool
+    fp: str = ""  # the checkpoints' fingerprint (resume)
+
+    @property
+    def sharded(self) -> bool:
+        return self.p.runtime.parallel == "fsdp"
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.config.seq_len
+
+    @property
+    def tokens_per_micro(self) -> int:
+        return self.t.device_batch * self.seq_len * self.world
+
+    @property
+    def ckpt_path(self) -> Path:
+        return paths.checkpoint_dir(self.stage) / "last.pt"
+
+
+@dataclass
+class Progress:
+    """What the loop measured, for `finish`: the last logged loss and throughput, and the run's timings."""
+    loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    mfu: float | None = None
+    sustained: int | None = None
+    idle_frac: float | None = None
+
+
+def start(stage: str | None, p: Params):
+    """The device, the precision backend (checked before any work: a refusal costs nothing) and the process
+    group. Returns (stage, params, backend, device, rank, world): with stage None (a rank `sparkchat join`
+    started) the stage global rank 0 runs, and its params."""
     device = resolve_device(p.runtime.device)
     backend = stage_backend(stage, p) if stage else None
     if backend:
         backend.check(device)  # fail before any work
-    sharded = p.runtime.parallel == "fsdp"
     # FSDP shards over a process group even on one rank (its checkpoints then load on any number)
-    rank, world, device = setup_distributed(device, p.runtime.timeout_s, always=sharded)
+    rank, world, device = setup_distributed(device, p.runtime.timeout_s, always=p.runtime.parallel == "fsdp")
     if world > 1:  # rank 0 says which stage runs: a joining rank takes it, a rank started for another stops
         leader = broadcast(stage)
         if stage is None:
@@ -211,20 +268,26 @@ def train(stage: str | None, p: Params) -> dict:
         elif leader != stage:
             raise LaunchError(f"global rank 0 runs the {leader} stage, but this machine started {stage}")
     backend.check_parallel(p.runtime.parallel)  # auto knows its backend now
+    return stage, p, backend, device, rank, world
+
+
+def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
+    """The checkpoint folder, the model (converted by the backend; under FSDP compiled and sharded), the
+    batches, the step count and the optimizer."""
     t: TrainParams = getattr(p, stage)
-    init_dir, train_file, val_file, out_dir = STAGES[stage]
     if p.runtime.threads:
         torch.set_num_threads(p.runtime.threads)
     torch.manual_seed(t.seed + rank)
-    ckpt_path = paths.checkpoint_dir(stage) / "last.pt"
+    ckpt_dir = paths.checkpoint_dir(stage)
     # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
     # folder (which DVC warns about) once a finished stage has removed its checkpoints
-    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        (ckpt_path.parent / "README.txt").write_text(CHECKPOINT_NOTE)
+        (ckpt_dir / "README.txt").write_text(CHECKPOINT_NOTE)
     if world > 1:
-        check_shared_folder(ckpt_path.parent, rank)
+        check_shared_folder(ckpt_dir, rank)
 
+    _, train_file, val_file, _ = STAGES[stage]
     tok = SparkTokenizer.load(paths.TOKENIZER)
     model = build_model(stage, p, tok, device)
     seq_len = model.config.seq_len
@@ -234,17 +297,23 @@ def train(stage: str | None, p: Params) -> dict:
         or p.runtime.compile == "on"
     train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world, device)
     val_batches = make_batches(stage, val_file, tok, p, t, seq_len, use_compile, rank, world, device)
-    tokens_per_micro = t.device_batch * seq_len * world
-    grad_accum = max(1, t.total_batch_tokens // tokens_per_micro)
+    grad_accum = max(1, t.total_batch_tokens // (t.device_batch * seq_len * world))
     steps = total_steps(stage, t, model, train_batches, grad_accum)
-    raw_model = model
-    if sharded:
+    if p.runtime.parallel == "fsdp":
         # compiled block by block before sharding: FSDP's gathers run between the compiled blocks
         if use_compile:
             compile_model(model, regional=True)
-        model = raw_model = fsdp(model, backend.compute_dtype(device))
+        model = fsdp(model, backend.compute_dtype(device))
     optimizer = build_optimizer(model, t.matrix_lr, t.embedding_lr, t.head_lr, t.weight_decay, use_muon=t.use_muon)
+    return Run(stage, p, t, backend, device, rank, world, tok, model, optimizer, train_batches, val_batches,
+               grad_accum, steps, use_compile)
 
+
+def resume(run: Run) -> tuple[int, dict]:
+    """Loads the stage's checkpoint when one matches this configuration (written on any number of ranks: a
+    step reads the same batches on any number). Returns (the step to start from, the history it carried)."""
+    stage, t, p = run.stage, run.t, run.p
+    init_dir, train_file, val_file, _ = STAGES[stage]
     # the token indexes and the starting model's checksums.json hold each file's sha256 (the model's
     # verified as it loaded): hashing them stands for hashing the files again (a model directory
     # without checksums loads unverified: then its weights themselves). Not the rank count: a step reads
@@ -252,84 +321,108 @@ def train(stage: str | None, p: Params) -> dict:
     inputs = [paths.token_index(train_file), paths.token_index(val_file), paths.TOKENIZER]
     if init_dir:
         inputs.append(init_dir / CHECKSUMS if (init_dir / CHECKSUMS).is_file() else init_dir / "model.safetensors")
-    fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
-                      "precision": asdict(p.precision), "backend": backend.name, "parallel": p.runtime.parallel,
-                      "batches_per_step": grad_accum * world}, inputs)
+    run.fp = fingerprint({"stage": stage, "train": asdict(t), "model": asdict(p.model) if init_dir is None else None,
+                          "precision": asdict(p.precision), "backend": run.backend.name, "parallel": p.runtime.parallel,
+                          "batches_per_step": run.grad_accum * run.world}, inputs)
     start_step, history = 0, {}
-    if sharded:
-        state, msg = load_sharded(ckpt_path.with_name(LAST_DIR), model, optimizer.optimizers, fp)
+    if run.sharded:
+        state, msg = load_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, run.fp)
     else:
-        state, msg = load_checkpoint(ckpt_path, fp)
+        state, msg = load_checkpoint(run.ckpt_path, run.fp)
         if state is not None and any(k.endswith("attn.c_q.weight") for k in state["model"]):
-            state, msg = None, f"{ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
+            state, msg = None, f"{run.ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
         if state is not None:
-            model.load_state_dict(state["model"], strict=False)
-            optimizer.load_state_dict(state["optimizer"])
+            run.model.load_state_dict(state["model"], strict=False)
+            run.optimizer.load_state_dict(state["optimizer"])
     if state is not None:
-        train_batches.load_state(state["data"])
+        run.train_batches.load_state(state["data"])
         set_rng_state(state["rng"])
         start_step, history = state["step"], state["extra"]
     log(f"{stage}: {msg}")
-    log(f"{stage}: {raw_model.num_params():,} params, {steps} steps x {grad_accum} micro-steps x "
-        f"{t.device_batch}x{seq_len} tokens x {world} rank(s) = {steps * grad_accum * tokens_per_micro:,} tokens "
-        f"on {device}{' (compiled)' if use_compile else ''}"
-        f"{', FSDP' if sharded else ', DDP' if world > 1 else ''}")
+    log(f"{stage}: {run.model.num_params():,} params, {run.steps} steps x {run.grad_accum} micro-steps x "
+        f"{t.device_batch}x{run.seq_len} tokens x {run.world} rank(s) = {run.steps * run.grad_accum * run.tokens_per_micro:,} "
+        f"tokens on {run.device}{' (compiled)' if run.use_compile else ''}"
+        f"{', FSDP' if run.sharded else ', DDP' if run.world > 1 else ''}")
+    return start_step, history
 
-    if not sharded:
-        if use_compile:
-            model = compile_model(model, backend.compile_regions)
-        if world > 1:
-            model = ddp(model, device)
-    autocast = backend.autocast(device)
-    tbytes = token_bytes(tok, device)
+
+def step_model(run: Run) -> torch.nn.Module:
+    """What runs a step: compiled on CUDA and wrapped in DDP over several ranks (not under FSDP, which
+    `build` compiled and sharded); done after `resume`, which loads into the plain model."""
+    model = run.model
+    if not run.sharded:
+        if run.use_compile:
+            model = compile_model(model, run.backend.compile_regions)
+        if run.world > 1:
+            model = ddp(model, run.device)
+    return model
+
+
+def optimizer_step(run: Run, model, autocast, idle: IdleClock) -> torch.Tensor:
+    """One optimizer step: gradient accumulation over `grad_accum` micro-steps, then clipping and the update.
+    Returns the micro-steps' summed loss, on the device (read only on logged steps)."""
+    loss_sum = torch.zeros((), device=run.device)
+    last = run.grad_accum - 1
+    for micro in range(run.grad_accum):
+        x, y = run.train_batches.next()
+        idle.start()  # after the batch is in hand: the wait for it is the device's idle time
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        # DDP all-reduces only in the last micro-step's backward; FSDP reduce-scatters every one
+        sync = model.no_sync() if run.world > 1 and not run.sharded and micro < last else contextlib.nullcontext()
+        with sync, autocast:
+            loss = model(x, y)
+        (loss / run.grad_accum).backward()
+        loss_sum += loss.detach()
+        if micro < last:
+            idle.end()
+    if run.world > 1:
+        run.backend.sync_ranks(run.model)
+    if run.t.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.t.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    idle.end()  # the last micro-step's work runs on through the optimizer
+    return loss_sum
+
+
+def loop(run: Run, start_step: int, history: dict) -> Progress:
+    """Trains from `start_step` to the end: the learning-rate schedule, a progress bar (tokens/s, ETA), a
+    plot row and the clocks' reading on logged steps, periodic validation and checkpoints."""
+    stage, t, device, world, steps = run.stage, run.t, run.device, run.world, run.steps
+    model = step_model(run)
+    autocast = run.backend.autocast(device)
+    tbytes = token_bytes(run.tok, device)
     # the same validation batches on any number of ranks (each rank runs its share)
-    eval_batches = max(1, t.eval_tokens // (val_batches.batch * seq_len))
-    flops, peak = raw_model.flops_per_token(), peak_flops(device)
+    eval_batches = max(1, t.eval_tokens // (run.val_batches.batch * run.seq_len))
+    flops, (peak, peak_about) = run.model.flops_per_token(), peak_flops(device)
+    if device.type == "cuda":
+        log(f"{stage}: {peak_about}")
     # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
     # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
     # rewrites the rows before its checkpoint and the plot (and its dvc.lock hash) match an unbroken run
     plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr", "val_bpb"], history.setdefault("log_rows", [])) \
-        if rank == 0 else None
+        if run.rank == 0 else None
 
     def run_eval() -> float:
         model.eval()
-        val_batches.load_state({"pos": 0, "epoch": 0})
-        val_batches.limit = eval_batches
-        bpb = evaluate_bpb(model, val_batches, math.ceil(eval_batches / world), tbytes, device, autocast)
+        run.val_batches.load_state({"pos": 0, "epoch": 0})
+        run.val_batches.limit = eval_batches
+        bpb = evaluate_bpb(model, run.val_batches, math.ceil(eval_batches / world), tbytes, device, autocast)
         model.train()
         return bpb
 
-    bar = tqdm(total=steps, initial=start_step, desc=stage, unit="step", disable=rank != 0, file=sys.stderr,
+    bar = tqdm(total=steps, initial=start_step, desc=stage, unit="step", disable=run.rank != 0, file=sys.stderr,
                mininterval=1.0, dynamic_ncols=True)
-    loss_value, tps, mfu = float("nan"), 0.0, None
-    # sustained throughput and GPU idle time count from the end of the first step this run makes (which
+    out = Progress()
+    # sustained throughput and idle time count from the end of the first step this run makes (which
     # compiles) to the end, read only on logged steps (which synchronise anyway)
-    idle, sustained_from, sustained_to = GpuIdle(device), None, 0.0
+    idle, sustained_from, sustained_to = IdleClock(device), None, 0.0
     model.train()
     for step in range(start_step, steps):
         t0 = time.perf_counter()
         mult = lr_multiplier(step, steps, t)
-        optimizer.set_lr_multiplier(mult)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            idle.start()
-            x, y = train_batches.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces only in the last micro-step's backward; FSDP reduce-scatters every one
-            sync = model.no_sync() if world > 1 and not sharded and micro < grad_accum - 1 else contextlib.nullcontext()
-            with sync, autocast:
-                loss = model(x, y)
-            (loss / grad_accum).backward()
-            loss_sum += loss.detach()
-            if micro < grad_accum - 1:
-                idle.end()
-        if world > 1:
-            backend.sync_ranks(raw_model)
-        if t.grad_clip:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        idle.end()  # the last micro-step's work runs on through the optimizer
+        run.optimizer.set_lr_multiplier(mult)
+        loss_sum = optimizer_step(run, model, autocast, idle)
         done = step + 1
         evaluate_now = done % t.eval_every == 0 or done == steps
         row = done % t.log_every == 0 or evaluate_now  # a plot row: its loss is this step's
@@ -337,59 +430,84 @@ def train(stage: str | None, p: Params) -> dict:
             if world > 1:  # the step's loss over every rank's batches, as one process would report it
                 dist.all_reduce(loss_sum)
                 loss_sum /= world
-            loss_value = float(loss_sum) / grad_accum  # the only host sync per logged step
+            out.loss = float(loss_sum) / run.grad_accum  # the only host sync per logged step
             dt = time.perf_counter() - t0
-            tps = grad_accum * tokens_per_micro / dt
-            mfu = flops * tps / (peak * world) if peak else None
+            out.tokens_per_s = run.grad_accum * run.tokens_per_micro / dt
+            out.mfu = flops * out.tokens_per_s / (peak * world) if peak else None
             idle.read(count=sustained_from is not None)
             if sustained_from is None:
                 sustained_from = (done, time.perf_counter())
             sustained_to = time.perf_counter()  # the last step's is before the final evaluation
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}", **({"mfu": f"{mfu:.1%}"} if mfu else {}))
+            bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}",
+                            **({"mfu": f"{out.mfu:.1%}"} if out.mfu else {}))
         val_bpb = run_eval() if evaluate_now else None
-        if evaluate_now or (done % t.checkpoint_every == 0 and done < steps):
-            idle.skip()  # the GPU's wait behind evaluation or a checkpoint is not the loader's
+        checkpoint_now = done % t.checkpoint_every == 0 and done < steps
+        if evaluate_now or checkpoint_now:
+            idle.skip()  # the device's wait behind evaluation or a checkpoint is not the loader's
         if val_bpb is not None:
             history["val_bpb"] = val_bpb
         if plot is not None and row:
-            plot.log(step=done, loss=loss_value, lr=mult, val_bpb=val_bpb if val_bpb else "")
-        if done % t.checkpoint_every == 0 and done < steps:
-            if sharded:  # every rank writes its shards
-                save_sharded(ckpt_path.with_name(LAST_DIR), model, optimizer.optimizers, done, train_batches.state(),
-                             fp, history)
-            elif rank == 0:
-                save_checkpoint(ckpt_path, raw_model, optimizer, done, train_batches.state(), fp, history)
+            plot.log(step=done, loss=out.loss, lr=mult, val_bpb=val_bpb if val_bpb else "")
+        if checkpoint_now:
+            save(run, done, history)
         bar.update(1)
     bar.close()
-    sustained = None
     if sustained_from is not None and sustained_from[0] < steps:
-        sustained = round((steps - sustained_from[0]) * grad_accum * tokens_per_micro
-                          / (sustained_to - sustained_from[1]))
+        out.sustained = round((steps - sustained_from[0]) * run.grad_accum * run.tokens_per_micro
+                              / (sustained_to - sustained_from[1]))
+    out.idle_frac = idle.fraction()
+    return out
 
-    metrics = {"steps": steps, "final_loss": round(loss_value, 4), "val_bpb": round(history.get("val_bpb", float("nan")), 4),
-               "tokens_per_s": round(tps), "params": raw_model.num_params(), "backend": backend.name,
-               "backend_label": backend.label, "emulated": backend.emulated, "device": str(device),
-               "tokens": steps * grad_accum * tokens_per_micro}
-    if mfu:
-        metrics["mfu"] = round(mfu, 4)
-    if sustained:
-        metrics["tokens_per_s_sustained"] = sustained  # every step after the first this run made
-    if idle.fraction() is not None:
-        metrics["gpu_idle_frac"] = idle.fraction()  # of the logged steps after the first
-    weights = full_state_dict(model) if sharded else None  # gathered onto rank 0 (every rank takes part)
-    if rank == 0:
-        # the model directory (a DVC output) holds no timings, so the same run gives the same hash
-        save_model_dir(out_dir, raw_model, tok, extra={"stage": stage, **{k: v for k, v in metrics.items()
-                                                                          if k not in TIMINGS}},
-                       state_dict=weights)
-        write_json(paths.metrics_file(stage), metrics)
+
+def save(run: Run, done: int, history: dict) -> None:
+    """A checkpoint after step `done`: every rank writes its shards under FSDP, rank 0 the whole otherwise."""
+    if run.sharded:
+        save_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, done,
+                     run.train_batches.state(), run.fp, history)
+    elif run.rank == 0:
+        save_checkpoint(run.ckpt_path, run.model, run.optimizer, done, run.train_batches.state(), run.fp, history)
+
+
+def finish(run: Run, progress: Progress, history: dict) -> dict:
+    """The model directory, the reports (headline metrics, details, timings: pipeline/metrics.py), and the
+    checkpoints removed; returns the three reports' values in one dict."""
+    stage, steps, raw_model = run.stage, run.steps, run.model
+    backend, out_dir = run.backend, STAGES[stage][3]
+    # what the model directory records (meta.json): what the inputs decide, no timings, so the same run gives
+    # the same hash
+    record = {"steps": steps, "final_loss": round(progress.loss, 4),
+              "val_bpb": round(history.get("val_bpb", float("nan")), 4), "params": raw_model.num_params(),
+              "backend": backend.name, "backend_label": backend.label, "emulated": backend.emulated,
+              "device": str(run.device), "tokens": steps * run.grad_accum * run.tokens_per_micro}
+    headline = {"train_loss": record["final_loss"], VAL_BPB[stage]: record["val_bpb"]}
+    details = {k: v for k, v in record.items() if k not in ("final_loss", "val_bpb")}
+    timings = {"tokens_per_s": round(progress.tokens_per_s)}  # the last logged step's
+    if progress.mfu:
+        timings["mfu"] = round(progress.mfu, 4)
+    if progress.sustained:
+        timings["tokens_per_s_sustained"] = progress.sustained  # every step after the first this run made
+    if progress.idle_frac is not None:
+        timings["idle_frac"] = progress.idle_frac  # of the logged steps after the first
+    weights = full_state_dict(raw_model) if run.sharded else None  # gathered onto rank 0 (every rank takes part)
+    if run.rank == 0:
+        save_model_dir(out_dir, raw_model, run.tok, extra={"stage": stage, **record}, state_dict=weights)
+        write_reports(stage, headline, details, timings)
         # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
         # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
-        remove_checkpoints(ckpt_path)
-        log(f"{stage}: done: loss {metrics['final_loss']}, val bpb {metrics['val_bpb']}, model in {out_dir}")
+        remove_checkpoints(run.ckpt_path)
+        log(f"{stage}: done: loss {record['final_loss']}, {VAL_BPB[stage]} {record['val_bpb']}, model in {out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
-    return metrics
+    return {**headline, **details, **timings}
+
+
+def train(stage: str | None, p: Params) -> dict:
+    """Runs `stage`, or with None (a rank `sparkchat join` started) the stage global rank 0 runs: its parts
+    in order, start -> build -> resume -> loop -> finish. Returns the metrics."""
+    stage, p, backend, device, rank, world = start(stage, p)
+    run = build(stage, p, backend, device, rank, world)
+    start_step, history = resume(run)
+    return finish(run, loop(run, start_step, history), history)
 
 
 def main(stage: str) -> None:
@@ -401,3 +519,6 @@ def main(stage: str) -> None:
         launch(p.runtime, f"pipeline.{stage}", lambda: train(stage, p))
     except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError) as e:
         raise SystemExit(f"{stage}: {e}") from None
+    except NoRoomError as e:  # what was written before stays: the next run resumes from the last checkpoint
+        raise SystemExit(f"{stage}: {e}. Free some space and run it again: it resumes from its last complete "
+                         f"checkpoint") from None

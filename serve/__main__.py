@@ -1,13 +1,17 @@
 """`sparkchat serve` / `python -m serve`: parse flags, build the app, run uvicorn.
 
-The parser needs neither torch nor FastAPI, so `--help` answers at once; they load in main()."""
+The parser needs neither torch nor FastAPI, so `--help` answers at once; they load in main(), after the
+checks that need neither: a model directory that is not there, and a port that cannot be had, are said
+within a second, before anything loads."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 
-from sparkchat import paths
+from sparkchat import paths, start
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
 
@@ -17,6 +21,14 @@ from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 API_KEY_ENV = "SPARKCHAT_API_KEY"
+log = logging.getLogger("sparkchat.serve")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model directory: sparkchat's, or a Hugging Face NanoChat one such as `sparkchat export` "
                         "writes (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require this bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -37,11 +49,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to host:port now, before the model loads (uvicorn binds only after its
+    startup, which starts the load), so a port in use is said at once. It listens once uvicorn serves:
+    until then a client is refused, not left waiting while the weights are checked."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise SystemExit(f"sparkchat serve: --host {host} is not an address or a name this machine can "
+                         f"resolve ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = {errno.EADDRINUSE: f"port {port} on {host} is in use by another process (another `sparkchat serve`?): "
+                                 f"stop it, or pass --port with a free one",
+               errno.EACCES: f"this user may not listen on port {port} (ports below 1024 need privileges): "
+                             f"pass --port with one above 1023",
+               errno.EADDRNOTAVAIL: f"{host} is not an address of this machine: pass --host 127.0.0.1 (this "
+                                    f"machine only) or 0.0.0.0 (every interface)"}
+        raise SystemExit(f"sparkchat serve: {why.get(e.errno, f'cannot listen on {host}:{port}: {e.strerror}')}") from None
+    return sock
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    missing = start.missing_model(args.model)
+    if missing:
+        raise SystemExit(f"sparkchat serve: {missing}")
+    sock = bind(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from model.model_dir import ModelDirError, verify_model_dir
-    try:  # before the port opens: a damaged model stops here, instead of a server that stays unhealthy
+    try:  # before the port listens: a damaged model stops here, instead of a server that stays unhealthy
         verify_model_dir(args.model)
     except ModelDirError as e:
         raise SystemExit(f"sparkchat serve: {e}") from None
@@ -50,7 +92,10 @@ def main(argv=None) -> None:
     from .api import Settings, create_app
     app = create_app(Settings(model_dir=args.model, device=args.device, api_key=args.api_key or None,
                               max_batch=args.max_batch, max_queue=args.max_queue, model_id=args.served_model_name))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info("serving on http://%s:%d (the chat page at /, the API under /v1; /health answers 200 once the "
+             "model has loaded)", host, sock.getsockname()[1])
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   OpenAI chat completions, JSON or SSE (`stream: true`)
     POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
+    POST /v1/responses          OpenAI responses, for text: JSON or SSE events (responses.py)
     GET  /v1/models             the one served model
     GET  /health                503 while the model loads (or failed to), then 200
     GET  /metrics               Prometheus text format
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, responses, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -90,24 +91,31 @@ STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description":
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+async def answer(endpoint, body, request: Request):
+    """A generation request's answer. `endpoint` (serving, completions or responses) checks the body
+    beyond its schema (errors are HTTP errors, before any stream starts), then gives the whole response
+    or, with `stream`, its server-sent events."""
+    runtime = get_runtime(request)
+    checked = endpoint.check(body, runtime)
+    if body.stream:
+        return StreamingResponse(endpoint.stream(body, runtime, checked), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await endpoint.complete(body, runtime, checked, request)
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    runtime = get_runtime(request)
-    prompt = serving.check(body, runtime)
-    if body.stream:
-        frames = serving.stream(body, runtime, prompt)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await serving.complete(body, runtime, prompt, request)
+    return await answer(serving, body, request)
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAMED)
 async def text_completions(body: CompletionRequest, request: Request):
-    runtime = get_runtime(request)
-    prompts = completions.check(body, runtime)
-    if body.stream:
-        return StreamingResponse(completions.stream(body, runtime, prompts), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    return await completions.complete(body, runtime, prompts, request)
+    return await answer(completions, body, request)
+
+
+@router.post("/v1/responses", response_model=responses.ResponseObject, responses=STREAMED)
+async def create_response(body: responses.ResponsesRequest, request: Request):
+    return await answer(responses, body, request)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)

@@ -28,42 +28,125 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _printable(text: str | None) -> str | None:
+    """Text that can be written as UTF-8: a lone surrogate the client sent (and an error quotes) as its
+    escape, so the error itself never fails to encode."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param=None, code=None, type=None) -> dict:
-    return {"error": {"message": message, "type": type or TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": type or TYPES.get(status, "invalid_request_error"),
+                      "param": _printable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def _param(loc) -> str | None:
-    """("body", "messages", 0, "role") -> "messages[0].role"."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not isinstance(part, str) or part.startswith(("function-", "union[", "list[", "str", "constrained-")):
-            continue  # pydantic's union branch labels
-        else:
-            out += f".{part}" if out else part
+def _located(loc, body, kind: str) -> str | None:
+    """pydantic's error location as the request's own path: ("body", "messages", 0, "role") ->
+    "messages[0].role". A step the body does not hold is a union branch's label (pydantic names the
+    branch it tried: "str", "list[TextPart]", ...) and is left out; a missing field is the last step."""
+    out, node = "", body
+    steps = list(loc[1:] if loc and loc[0] == "body" else loc)
+    for n, part in enumerate(steps):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (kind == "missing" and n == len(steps) - 1):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
 
 
+def _depth(path: str | None) -> int:
+    return 0 if path is None else 1 + path.count(".") + path.count("[")
+
+
+def _json_kind(value) -> str:
+    """A value's type as JSON names it."""
+    for t, name in ((bool, "a boolean"), (str, "a string"), (int, "an integer"), (float, "a number"),
+                    (list, "an array"), (dict, "an object")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _num(bound) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"  # a float bound: 2, not 2.0
+
+
+def _show(value) -> str:
+    """A value as an error quotes it: a short one as written, a long one cut, a list or object by its kind."""
+    if not isinstance(value, (str, int, float)):
+        return _json_kind(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:50] + "...(cut)"
+
+
+# pydantic's "is not of this type" errors, as JSON names the type expected
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+            "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object"}
+
+# the rule each kind of pydantic error says was broken, in the API's words (JSON types, the bound, the
+# value given); a kind missing here keeps pydantic's own message
+RULES = {
+    "greater_than_equal": lambda c, v: f"must be >= {_num(c['ge'])} (got {_show(v)})",
+    "greater_than": lambda c, v: f"must be > {_num(c['gt'])} (got {_show(v)})",
+    "less_than_equal": lambda c, v: f"must be <= {_num(c['le'])} (got {_show(v)})",
+    "less_than": lambda c, v: f"must be < {_num(c['lt'])} (got {_show(v)})",
+    "finite_number": lambda c, v: "must be a finite number (not NaN or Infinity)",
+    "too_long": lambda c, v: f"must have at most {c['max_length']} item{'s' * (c['max_length'] != 1)} "
+                             f"(got {c['actual_length']})",
+    "too_short": lambda c, v: f"must have at least {c['min_length']} item{'s' * (c['min_length'] != 1)}",
+    "string_too_short": lambda c, v: f"must be at least {c['min_length']} character{'s' * (c['min_length'] != 1)} long",
+    "string_too_long": lambda c, v: f"must be at most {c['max_length']} characters long",
+    "string_unicode": lambda c, v: "must be valid Unicode: it holds a lone surrogate",
+    "literal_error": lambda c, v: f"{_show(v)} is not supported (supported: {c['expected']})",
+    "union_tag_invalid": lambda c, v: f"{c['tag']!r} is not supported (supported: {c['expected_tags']})",
+    "union_tag_not_found": lambda c, v: f"needs a '{c['discriminator'].strip(chr(39))}' field",
+    "none_required": lambda c, v: "this server does not support it: leave it out, or send null",
+    "value_error": lambda c, v: str(c["error"]),
+}
+
+
+def _rule(error: dict) -> str:
+    rule = RULES.get(error["type"])
+    try:
+        return rule(error.get("ctx") or {}, error.get("input")) if rule else error.get("msg", "invalid")
+    except (KeyError, TypeError):  # a context this pydantic does not give: its own words
+        return error.get("msg", "invalid")
+
+
 def validation_error(exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    param = _param(first.get("loc", ()))
+    """One message for the error that says most: pydantic reports every union branch it tried (a list of
+    five stop strings fails the string branch too), and the branch that got past its type check and went
+    deepest into the input is the rule the client broke. When every branch only refused the type, the
+    message lists the types that would have been taken."""
+    body = getattr(exc, "body", None)
+    errors = [(e, _located(e.get("loc", ()), body, e.get("type", ""))) for e in exc.errors()]
+    if not errors:
+        return error_response(400, "Invalid request", None, "invalid_value")
+    first, param = max(errors, key=lambda ep: (ep[0].get("type") not in EXPECTED, _depth(ep[1])))
     kind = first.get("type", "")
     if kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif kind == "json_invalid":
-        message, param = "The request body is not valid JSON", None
-    elif kind == "missing" and param is None:
-        message = "The request needs a JSON body"
+        return error_response(400, f"Unrecognized request argument supplied: {param}", param)
+    if kind == "json_invalid":
+        return error_response(400, "The request body is not valid JSON", None, "invalid_value")
+    if kind == "missing":
+        if param is None:
+            return error_response(400, "The request needs a JSON body", None, "invalid_value")
+        return error_response(400, f"Missing required parameter: '{param}'", param, "missing_required_parameter")
+    if kind in EXPECTED:
+        kinds = list(dict.fromkeys(EXPECTED[e["type"]] for e, p in errors if p == param and e.get("type") in EXPECTED))
+        either = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
+        rule = f"must be {either} (got {_json_kind(first.get('input'))})"
     else:
-        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}" if param else first.get("msg")
-    return error_response(400, message, param, "invalid_value" if kind != "extra_forbidden" else None)
+        rule = _rule(first)
+    message = f"Invalid value for '{param}': {rule}" if param else f"The request body {rule}"
+    return error_response(400, message, param, "invalid_value")
 
 
 def install(app: FastAPI) -> None:
@@ -78,7 +161,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        messages = {404: f"Unknown URL {request.url.path}", 405: f"Method {request.method} is not allowed"}
+        messages = {404: f"Unknown URL {request.url.path}", 405: f"Method {request.method} is not allowed",
+                    400: "The request body could not be read: send JSON, encoded as UTF-8"}  # FastAPI's parse error
         return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
                               headers=getattr(exc, "headers", None))
 

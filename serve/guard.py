@@ -12,7 +12,7 @@ import json
 from .errors import error_body
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
-COUNTED = ("/v1/chat/completions", "/v1/completions")  # the requests sparkchat_requests_total counts
+COUNTED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what sparkchat_requests_total counts
 
 
 class V1Guard:

@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("sparkchat_requests", "Chat completion and completion HTTP requests, by status code",
+        self.requests = Counter("sparkchat_requests", "Chat completion, completion and response HTTP requests, by status code",
                                 ["status"], registry=r)
         self.prompt_tokens = Counter("sparkchat_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.completion_tokens = Counter("sparkchat_completion_tokens", "Tokens generated", registry=r)

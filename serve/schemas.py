@@ -17,12 +17,12 @@ the model produced it; with `content` alone it renders the words as plain text.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from model.chat import PART_TYPES
-from model.engine import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from model.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 8
@@ -33,8 +33,42 @@ Stop = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
+def whole_text(value):
+    """`value`, or a ValueError if a string in it (at any depth, keys too) holds a lone surrogate: JSON's
+    "\\ud800" escape parses to one, and no tokenizer, log line or reply can encode it as UTF-8."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"must be valid Unicode: character {e.start} is a lone surrogate "
+                                 f"({value[e.start].encode('utf-8', 'backslashreplace').decode()}); send text as "
+                                 f"UTF-8, a character above U+FFFF as a whole surrogate pair") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            whole_text(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            whole_text(k)
+            whole_text(v)
+    return value
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Every request body's base: unknown fields refused, JSON types taken as they are, numbers finite
+    (Python's JSON reader takes NaN and Infinity), and text that is whole Unicode in every field."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    NOOPS: ClassVar[dict] = {}
+    """Parameters declared with `_unsupported(noop)`, by name: the value at which each does nothing."""
+
+    @field_validator("*")
+    @classmethod
+    def _whole_text(cls, value):
+        return whole_text(value)
+
+    def unsupported(self) -> list[str]:
+        """Parameters set to something this server would have to ignore."""
+        return [k for k, noop in self.NOOPS.items() if getattr(self, k) is not None and getattr(self, k) != noop]
 
 
 class TextPart(_Strict):
@@ -49,7 +83,8 @@ class ReplyPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer: the system prompt, as OpenAI's newer models name it")
     content: Union[str, list[TextPart]]
     sparkchat_parts: Optional[list[ReplyPart]] = Field(
         None, description="extension, assistant messages only: the reply as the server returned it")
@@ -67,8 +102,9 @@ class StreamOptions(_Strict):
 
 
 # parameter -> the value at which it does nothing (the only value accepted)
+NO_TOOLS = {"tools": [], "tool_choice": "none", "parallel_tool_calls": None}  # chat's and responses'
 UNSUPPORTED = {
-    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": [],
+    **NO_TOOLS, "functions": [],
     "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
@@ -90,6 +126,13 @@ def _unsupported(noop):
     gets a 400 naming the parameter), so clients and fuzzers see what is accepted."""
     return Field(None, json_schema_extra={"enum": [noop] if noop is None else [noop, None]},
                  description="not supported: only the value that changes nothing is accepted")
+class NoTools(_Strict):
+    """The tool fields of the chat and responses APIs: this server calls no tools of the client's."""
+    tools: Optional[list] = _unsupported(NO_TOOLS["tools"])
+    tool_choice: Union[str, dict, None] = _unsupported(NO_TOOLS["tool_choice"])
+    parallel_tool_calls: Optional[bool] = _unsupported(NO_TOOLS["parallel_tool_calls"])
+
+
 # accepted with any value of their type, and ignored: they change nothing a local model could do
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier")
 
@@ -133,7 +176,8 @@ class _Sampling(_Strict):
         return {int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, NoTools):
+    NOOPS: ClassVar[dict] = UNSUPPORTED
     model_config = ConfigDict(json_schema_extra={"allOf": [
         STREAM_OPTIONS_NEED_STREAM, _needs("top_logprobs", "integer", "logprobs", True)]})
 
@@ -142,9 +186,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list] = _unsupported(UNSUPPORTED["tools"])
-    tool_choice: Union[str, dict, None] = _unsupported(UNSUPPORTED["tool_choice"])
-    parallel_tool_calls: Optional[bool] = _unsupported(UNSUPPORTED["parallel_tool_calls"])
     functions: Optional[list] = _unsupported(UNSUPPORTED["functions"])
     function_call: Union[str, dict, None] = _unsupported(UNSUPPORTED["function_call"])
     response_format: Optional[dict] = _unsupported(UNSUPPORTED["response_format"])
@@ -160,13 +201,9 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
 
-    def unsupported(self) -> list[str]:
-        """Parameters set to something this server would have to ignore."""
-        return [k for k, noop in UNSUPPORTED.items()
-                if getattr(self, k) is not None and getattr(self, k) != noop]
-
 
 class CompletionRequest(_Sampling):
+    NOOPS: ClassVar[dict] = COMPLETIONS_UNSUPPORTED
     model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM]})
 
     prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
@@ -184,10 +221,6 @@ class CompletionRequest(_Sampling):
         """Each prompt: a text or a list of token ids."""
         p = self.prompt
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-
-    def unsupported(self) -> list[str]:
-        return [k for k, noop in COMPLETIONS_UNSUPPORTED.items()
-                if getattr(self, k) is not None and getattr(self, k) != noop]
 
 
 # ---- responses ----

@@ -26,6 +26,10 @@ from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, Cha
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
 SEED_STRIDE = 1  # choice i of a seeded request uses seed + i
+# seconds a client refused for a full queue waits (the 429's Retry-After; the openai package honours it):
+# a queued request takes a row when one frees, and rows free as replies end, every second or so at the
+# default reply lengths
+RETRY_AFTER_S = 1
 
 
 def _max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -35,14 +39,19 @@ def _max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 
 
-def check_common(req: _Sampling, runtime: Runtime) -> None:
-    """The checks both endpoints make beyond their schemas."""
+def check_supported(req, runtime: Runtime) -> None:
+    """Every endpoint's first checks: no parameter this server would have to ignore, and its model."""
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server", bad[0], "unsupported_parameter")
     if req.model != runtime.model_id:
         raise APIError(404, f"The model '{req.model}' does not exist (this server serves "
                             f"'{runtime.model_id}')", "model", "model_not_found")
+
+
+def check_common(req: _Sampling, runtime: Runtime) -> None:
+    """The checks both completions endpoints make beyond their schemas."""
+    check_supported(req, runtime)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     outside = [i for i in req.bias() or {} if i >= runtime.vocab_size]
@@ -70,8 +79,11 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
 def _message(i: int, m: ChatMessage) -> dict:
     """A request message for the renderer: an assistant turn sent back with its `sparkchat_parts`
     renders from them (tool calls, results and answer line as the model wrote them)."""
-    if m.sparkchat_parts is None:
-        return {"role": m.role, "content": m.model_dump()["content"]}
+    if m.role in ("system", "developer") and i:  # OpenAI's models take these anywhere; this one as trained
+        raise APIError(400, f"messages[{i}]: a {m.role} message may only come first (this model takes one "
+                            f"system prompt, before the conversation)", f"messages[{i}].role")
+    if m.sparkchat_parts is None:  # a developer message is the system prompt (OpenAI's newer name for it)
+        return {"role": "system" if m.role == "developer" else m.role, "content": m.model_dump()["content"]}
     if m.role != "assistant":
         raise APIError(400, f"messages[{i}]: only assistant messages carry sparkchat_parts",
                        f"messages[{i}].sparkchat_parts")
@@ -105,7 +117,8 @@ def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]],
             s.cancel()
         status = 429 if isinstance(e, QueueFull) else 503
         raise APIError(status, f"The server is busy: {e}. Retry shortly.", None,
-                       "queue_full" if status == 429 else "engine_stopped") from None
+                       "queue_full" if status == 429 else "engine_stopped",
+                       headers={"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None) from None
     except PromptTooLong as e:
         for s in streams:
             s.cancel()

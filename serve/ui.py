@@ -8,7 +8,8 @@ A reply shows as the API and the terminal show it (model.chat.ReplyReader): each
 collapsed tool message, then the assistant's words. The words are what Gradio gives back as history, so
 the page keeps each reply's parts (calculator calls, results and answer line, as the model wrote them)
 in a per-session State keyed by those words, and the next turn's prompt renders the history as trained.
-A conversation that outgrows the context loses its oldest exchanges, as in the terminal, with a note.
+A conversation that outgrows the context loses its oldest exchanges, as in the terminal, with a note; by
+default the reply may take what the context leaves, so the history leaves only when it must (fit_prompt).
 
 Above the chat, a line says which model is served: its size and training from the model directory, and
 its held-out scores from the evaluate stage's metrics when the served directory is one it scored.
@@ -118,6 +119,19 @@ def model_line(model_dir: Path, root: Path = Path(".")) -> str:
     return "".join(out)
 
 
+def fit_prompt(tok, context: int, messages: list[dict], max_tokens: int, default: int) -> tuple[list[int], int, int]:
+    """The prompt for `messages` and the reply's budget: (ids, max_tokens for the reply, messages dropped).
+
+    max_tokens 0, the page's default, is what the context leaves after the prompt (up to the model's own
+    `default`, generation.json's): the history keeps its turns until the reply would have under a quarter
+    of the context (the default model's replies to the examples above are 9 to 32 tokens, 32 being a
+    quarter of its context), and only then do the oldest leave. A budget the user sets keeps its own room
+    for the reply (model.chat.history_budget's rule, as in the terminal)."""
+    ids, _, dropped = fit_history(tok, messages, history_budget(context, max_tokens or context // 4))
+    room = max(context - len(ids), 0)
+    return ids, min(max_tokens or default, room), dropped
+
+
 def build_ui(app: FastAPI) -> gr.Blocks:
     settings = app.state.settings
     described = describe_model_dir(settings.model_dir)
@@ -129,8 +143,9 @@ def build_ui(app: FastAPI) -> gr.Blocks:
             raise gr.Error("The model is still loading; try again in a moment.")
         replies = dict(replies or {})
         try:
-            prompt, _, dropped = fit_history(runtime.tokenizer, to_messages(message, history, system_prompt, replies),
-                                             history_budget(runtime.context_len, int(max_tokens)))
+            prompt, budget, dropped = fit_prompt(runtime.tokenizer, runtime.context_len,
+                                                 to_messages(message, history, system_prompt, replies),
+                                                 int(max_tokens), runtime.defaults["max_tokens"])
         except ChatFormatError as e:
             raise gr.Error(str(e))
         if len(prompt) >= runtime.context_len:
@@ -139,7 +154,7 @@ def build_ui(app: FastAPI) -> gr.Blocks:
         if dropped:
             gr.Info(f"The conversation outgrew the model's context of {runtime.context_len} tokens: the model "
                     f"sees it without its {dropped} oldest messages.")
-        params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=int(max_tokens))
+        params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=budget)
         try:
             stream = runtime.open_stream(prompt, params)
         except (QueueFull, EngineStopped) as e:
@@ -164,8 +179,9 @@ def build_ui(app: FastAPI) -> gr.Blocks:
                 gr.Textbox(label="System prompt", value="", lines=2, render=False),
                 gr.Slider(0.0, 2.0, value=gen["temperature"], step=0.05, label="Temperature", render=False),
                 gr.Slider(0, 200, value=gen["top_k"], step=1, label="Top-k (0: off)", render=False),
-                gr.Slider(1, context, value=min(gen["max_tokens"], context), step=1,
-                          label=f"Max tokens (the model's context: {context})", render=False),
+                gr.Slider(0, context, value=0, step=1, render=False,
+                          label=f"Max tokens (0: what the context leaves, up to {gen['max_tokens']}; the model's "
+                                f"context: {context})"),
                 replies,
             ],
             additional_outputs=[replies],

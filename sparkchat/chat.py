@@ -13,7 +13,7 @@ import argparse
 import queue
 import sys
 
-from sparkchat import paths
+from sparkchat import paths, start
 
 DIM, PLAIN = "\033[2m", "\033[0m"
 
@@ -32,9 +32,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def undecodable(line: str) -> str | None:
+    """What is wrong with a line read from stdin that was not UTF-8 (None when it was). stdin reads with
+    surrogateescape (main), so each byte that is not UTF-8 arrives as a lone surrogate, U+DC80..U+DCFF."""
+    for i, c in enumerate(line):
+        if "\udc80" <= c <= "\udcff":
+            return f"byte 0x{ord(c) - 0xdc00:02x} at character {i + 1} is not UTF-8"
+        if "\ud800" <= c <= "\udfff":
+            return f"character {i + 1} is a lone surrogate"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
+    missing = start.missing_model(args.model)
+    if missing:  # before torch loads: said at once
+        ap.error(missing)
+    if args.system and undecodable(args.system):  # argv, like stdin, carries bytes that are not UTF-8 so
+        ap.error(f"--system: {undecodable(args.system)}")
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback
+        sys.stdin.reconfigure(errors="surrogateescape")
 
     from model.chat_engine import chat_engine, sampling_params
     from model.model_dir import ModelDirError, load_model_dir
@@ -58,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
                 messages = messages[:1] if args.system else []
                 continue
             if not text:
+                continue
+            bad = undecodable(text)
+            if bad:
+                print(f"sparkchat chat: that line was not sent: {bad} (is the terminal set to UTF-8?); "
+                      f"type it again", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": text})
             try:

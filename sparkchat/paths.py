@@ -5,7 +5,8 @@ the benchmarks and the tests read paths from here; `dvc.yaml` declares the same 
 Paths are relative to the project root, where DVC runs every stage.
   artifacts/  big outputs, git-ignored and kept in DVC's cache (data, tokenizer, models, checkpoints)
   reports/    small metrics and plot files that git keeps, so `dvc exp show`, `dvc metrics diff` and
-              `dvc plots diff` can compare main with every experiment
+              `dvc plots diff` can compare main with every experiment: only what a stage's inputs decide
+              (its timings go to reports/timings/, which git ignores)
 """
 from __future__ import annotations
 
@@ -67,7 +68,24 @@ def token_index(split: Path) -> Path:
 
 
 def metrics_file(stage: str) -> Path:
+    """A stage's headline metrics: what `dvc metrics show` and `dvc exp show` list by default."""
     return REPORTS / stage / "metrics.json"
+
+
+def details_file(stage: str) -> Path:
+    """The rest of what a stage's inputs decide (counts, the backend, the device): a DVC output git keeps, not
+    a declared metric, so the default table stays narrow; `dvc metrics show <file>` shows it."""
+    return REPORTS / stage / "details.json"
+
+
+# Timings and throughput (tokens/s, MB/s, MFU, idle time): the same inputs give other numbers on every run and
+# machine, so they are neither declared in dvc.yaml (no hash in dvc.lock) nor kept by git (.gitignore);
+# `dvc metrics show -R reports/timings` shows the last run of each stage in this workspace
+TIMINGS = REPORTS / "timings"
+
+
+def timings_file(stage: str) -> Path:
+    return TIMINGS / f"{stage}.json"
 
 
 def plot_file(stage: str) -> Path:

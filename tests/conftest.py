@@ -1,6 +1,8 @@
 """Shared test fixtures. Several engineers add fixtures here: append, and keep names prefixed by owner."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -92,6 +94,18 @@ class _ServeThread:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+class SlowModel:
+    """Wraps an engine's model so each forward first sleeps `delay` seconds: requests stay in flight long
+    enough for a test to see them (the test_serve and test_ui_browser servers; `from conftest import`)."""
+
+    def __init__(self, model, delay: float):
+        self.model, self.delay = model, delay
+
+    def __call__(self, *a, **kw):
+        time.sleep(self.delay)
+        return self.model(*a, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,14 @@
 - a save cut short at any point leaves a checkpoint that loads; a good one resumes as before;
 - a model directory with a truncated or overwritten file, or a missing one, raises an error naming the
   file, and `python -m serve` on it exits non-zero with that message before the server starts;
-- a model directory without checksums.json (written before them) loads, with a warning.
+- a model directory without checksums.json is refused (the server too) unless the user trusts it
+  (TRUST_ENV=1), then it loads with a warning.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir, save_model_dir
+from model.model_dir import CHECKSUMS, TRUST_ENV, ModelDirError, NoRoomError, load_model_dir, save_model_dir
 from pipeline.checkpoint import load_checkpoint, remove_checkpoints, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,6 +156,51 @@ def test_a_finished_stage_removes_its_checkpoints_but_not_damaged_ones(run):
     assert len(left) == 2 and all(".damaged-" in name for name in left), left
 
 
+def test_damaged_checkpoints_moved_aside_are_bounded(run, monkeypatch):
+    """Four incidents, each moving a damaged last.pt aside (and an old damaged sharded folder already
+    there): only the KEEP_DAMAGED newest stay, each with its checksum file; the message names the deleted."""
+    import types
+    from pipeline import checkpoint
+    path, model, opt = run
+    clock = iter(f"20260101-00000{i}" for i in range(1, 10))
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(strftime=lambda fmt: next(clock)))
+    old_dcp = path.with_name("last.dcp.damaged-20250101-000000")
+    old_dcp.mkdir(parents=True)
+    (old_dcp / "__0_0.distcp").write_bytes(b"shard")
+    path.with_name("last.dcp.sha256.damaged-20250101-000000").write_text("{}")
+    messages = []
+    for step in (2, 4, 6, 8):
+        save_at(path, model, opt, step)
+        overwrite_4k(path)
+        messages.append(load_checkpoint(path, FP)[1])
+    left = sorted(p.name for p in path.parent.iterdir() if ".damaged-" in p.name)
+    assert checkpoint.KEEP_DAMAGED == 2 and left == [
+        "last.pt.damaged-20260101-000003", "last.pt.damaged-20260101-000004",
+        "last.pt.sha256.damaged-20260101-000003", "last.pt.sha256.damaged-20260101-000004"], left
+    assert "deleted" not in messages[0]
+    assert "older damaged checkpoints deleted, the newest 2 kept: last.dcp.damaged-20250101-000000" in messages[1]
+    assert messages[3].endswith("kept: last.pt.damaged-20260101-000002); starting from step 0"), messages[3]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux), whose every write is ENOSPC")
+def test_a_full_disk_is_one_error_naming_the_file_and_the_free_space(run):
+    """The kernel's own ENOSPC: the temporary file the save writes first is made a link to /dev/full.
+    One NoRoomError naming last.pt and the free space (no torch RuntimeErrors), no partial file left,
+    and the checkpoint before it still loads."""
+    path, model, opt = run
+    save_at(path, model, opt, 2)
+    tmp = path.with_name("last.pt.tmp")
+    tmp.symlink_to("/dev/full")
+    with pytest.raises(NoRoomError) as e:
+        save_at(path, model, opt, 4)
+    assert re.fullmatch(rf"cannot write {re.escape(str(path))}: no space left on the device; [\d.]+ \S+ free on "
+                        rf"the filesystem holding {re.escape(str(path.parent))}", str(e.value)), str(e.value)
+    assert e.value.__suppress_context__, "torch's errors would print as a second traceback"
+    assert not tmp.exists() and not tmp.is_symlink()
+    ckpt, msg = load_checkpoint(path, FP)
+    assert ckpt["step"] == 2 and "of " + str(path.with_name("prev.pt")) in msg
+
+
 class Crash(Exception):
     pass
 
@@ -258,15 +305,36 @@ def test_a_model_dir_is_hashed_once_per_process_until_a_file_changes(model_dir, 
     assert hashed == ["model.safetensors"]
 
 
-def test_model_dir_without_checksums_loads_with_a_warning(model_dir, caplog):
+def test_model_dir_without_checksums_is_refused_unless_trusted(model_dir, monkeypatch, caplog):
+    """The issue's case: checksums.json deleted and 4 KiB of the weights overwritten. Refused, the error
+    naming the missing file and the variable that trusts it; trusted, it loads with a warning."""
     (model_dir / CHECKSUMS).unlink()
+    overwrite_4k(model_dir / "model.safetensors")
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    with pytest.raises(ModelDirError, match=f"{model_dir} has no {CHECKSUMS}.*set {TRUST_ENV}=1"):
+        load_model_dir(model_dir)
+    monkeypatch.setenv(TRUST_ENV, "0")  # only 1 trusts
+    with pytest.raises(ModelDirError, match=TRUST_ENV):
+        load_model_dir(model_dir)
+    monkeypatch.setenv(TRUST_ENV, "1")
     with caplog.at_level("WARNING", logger="model.model_dir"):
-        model, tok, _ = load_model_dir(model_dir)
-    assert f"{model_dir} has no {CHECKSUMS}" in caplog.text
-    # unverified, but a file that does not parse is still named
+        load_model_dir(model_dir)
+    assert f"{model_dir} has no {CHECKSUMS} (trusted by {TRUST_ENV}=1)" in caplog.text
+    # trusted, but a file that does not parse is still named
     corrupt_config(model_dir / "config.json")
     with pytest.raises(ModelDirError, match=r"config\.json cannot be loaded"):
         load_model_dir(model_dir)
+
+
+def test_serve_refuses_a_model_dir_without_checksums_before_its_port_opens(model_dir):
+    (model_dir / CHECKSUMS).unlink()
+    env = {k: v for k, v in os.environ.items() if k != TRUST_ENV}
+    r = subprocess.run([sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(free_port())],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert f"model directory {model_dir} has no {CHECKSUMS}" in r.stderr and f"{TRUST_ENV}=1" in r.stderr, out
+    assert "Traceback" not in out and "Uvicorn running" not in out
 
 
 def test_damaged_checksums_file_is_named(model_dir):

@@ -2,7 +2,9 @@
 terminal chat over a real (tiny, random) model directory."""
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +92,54 @@ def test_chat_command_answers_and_exits(serve_model_dir):
 def test_chat_command_names_a_missing_model(tmp_path):
     r = sparkchat("chat", "--model", str(tmp_path), input="")
     assert r.returncode == 2 and "is not a sparkchat model directory: config.json is missing" in r.stderr
+
+
+def run_main(argv: list[str], cwd: Path = ROOT) -> tuple[str, list[str]]:
+    """`sparkchat ARGV` in a fresh interpreter, stopped at its first exit: (what it said, the heavy
+    packages it had imported by then). A check made before any of them loaded is made before the model
+    would load, since loading takes torch."""
+    code = (f"import sys\nfrom sparkchat.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+            f"    print('exit:', e.code, file=sys.stderr)\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree's code, from any folder
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stderr, eval(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cmd", ["serve", "chat"])
+def test_no_model_says_what_to_run_before_anything_loads(cmd, tmp_path):
+    """In a clone where nothing was trained: the default model directory is not there."""
+    said, heavy = run_main([cmd], cwd=tmp_path)
+    assert "no model at artifacts/model" in said and "`make repro`" in said and "--model DIR" in said, said
+    assert str(tmp_path) in said  # a relative path, said with the folder it is relative to
+    assert heavy == []
+    said, heavy = run_main([cmd, "--model", str(tmp_path / "elsewhere")])
+    assert f"the model directory {tmp_path / 'elsewhere'} does not exist: pass --model" in said and heavy == []
+
+
+def test_a_busy_port_is_said_before_the_model_loads(serve_model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        said, heavy = run_main(["serve", "--model", str(serve_model_dir), "--port", str(port)])
+    assert f"sparkchat serve: port {port} on 127.0.0.1 is in use" in said and "--port" in said, said
+    assert heavy == []  # said before torch, FastAPI or the model loaded
+    said, _ = run_main(["serve", "--model", str(serve_model_dir), "--port", "70000"])
+    assert "a port is 0-65535, got 70000" in said
+
+
+def test_chat_says_a_line_that_is_not_utf8_and_goes_on(serve_model_dir):
+    r = subprocess.run([sys.executable, "-m", "sparkchat", "chat", "--model", str(serve_model_dir), "--max-tokens", "3"],
+                       input=b"Hello\ncaf\xe9?\nWhat is 2 + 2?\n", capture_output=True, cwd=ROOT, timeout=120)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "that line was not sent: byte 0xe9 at character 4 is not UTF-8" in err, err
+    _, hello, skipped, sum_, bye = out.split("> ")  # a reply to the lines around it, none to it
+    assert hello.strip() and sum_.strip() and skipped == "" and bye == "\n"
+    r = subprocess.run([sys.executable, "-m", "sparkchat", "chat", "--model", str(serve_model_dir), "--system",
+                        b"Be \xff brief"], input=b"", capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--system: byte 0xff at character 4 is not UTF-8" in r.stderr.decode()
 
 
 def test_chat_history_drops_old_turns_keeping_the_system_prompt(serve_tokenizer):

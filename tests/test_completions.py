@@ -117,11 +117,11 @@ def test_stop_strings_and_n(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": []}, "prompt"),
-    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt[1]"),  # the deepest place the rule broke
     ({"prompt": [1, 100000]}, "prompt"),
-    ({"prompt": [[1], [2, -1]]}, "prompt"),
+    ({"prompt": [[1], [2, -1]]}, "prompt[1][1]"),
     ({"prompt": [[1], [2, 400]]}, "prompt[1]"),  # outside the vocabulary: the server names the prompt
-    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt[0]"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: an int, not a boolean

@@ -61,12 +61,18 @@ def test_profiles_exist():
     (lambda d: d["data"].update(pretrain_sources="builtin:shakespeare"), "data.pretrain_sources"),
     (lambda d: d["runtime"].update(device="tpu"), "runtime.device"),
     (lambda d: d["runtime"].update(parallel="zero3"), "runtime.parallel must be one of ddp, fsdp"),
-    (lambda d: d["runtime"].update(nnodes=0), "runtime.nnodes must be > 0"),
+    (lambda d: d["runtime"].update(compile=True), "runtime.compile must be one of auto, on, off; got True"),
+    (lambda d: d["sft"].update(backend="fp16"), 'sft.backend must be one of "", bf16, fp8'),
+    (lambda d: d["pretrain"].update(epochs=0), "pretrain.epochs must be > 0"),
+    (lambda d: d["tokenizer"].update(vocab_size=256), "tokenizer.vocab_size must be >= 300"),
+    (lambda d: d["probe"].update(steps=0), "probe.steps must be >= 1"),
+    (lambda d: d["probe"].update(te_recipes=["delayed", "fast"]), "probe.te_recipes[1] must be one of delayed"),
+    (lambda d: d["runtime"].update(nnodes=0), "runtime.nnodes must be >= 1"),
     (lambda d: d["runtime"].update(nnodes=2, rdzv_endpoint="node0:29500", node_rank=2), "runtime.node_rank must be in 0..1"),
     (lambda d: d["runtime"].update(nnodes=2), "runtime.rdzv_endpoint must be host:port of node 0, e.g. spark-1:29500 (where the 2 machines"),
     (lambda d: d["runtime"].update(rdzv_endpoint="node0"), "runtime.rdzv_endpoint must be host:port"),
     (lambda d: d["runtime"].update(rdzv_endpoint="node0:99999"), "runtime.rdzv_endpoint must be host:port"),
-    (lambda d: d["runtime"].update(timeout_s=0), "runtime.timeout_s must be > 0"),
+    (lambda d: d["runtime"].update(timeout_s=0), "runtime.timeout_s must be >= 1"),
     (lambda d: d.update(profile="nope"), "profile 'nope'"),
     (lambda d: d["evaluate"]["benchmarks"]["mmlu"].update(source="data/mmlu.csv"),
      "evaluate.benchmarks.mmlu.source='data/mmlu.csv': a local source must be a .jsonl, .json, .parquet file"),
@@ -98,49 +104,95 @@ def test_bad_params_fail_fast_and_write_nothing(tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
-def test_backend_options_match_params_yaml():
-    """Every backend's option dataclass appears in params.yaml's `precision:` section, under the key the
-    dataclass names, with every field and the same defaults, and nothing else: params.yaml cannot drift
-    from the code that declares the options."""
+def differences(got, want, key: str = "") -> list[str]:
+    """Every key where two nested mappings differ, as 'key: got vs want'."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        return [d for k in sorted(set(got) | set(want), key=str)
+                for d in differences(got.get(k, "<missing>"), want.get(k, "<missing>"), f"{key}.{k}" if key else k)]
+    return [] if got == want else [f"{key}: params.yaml {got!r} vs code {want!r}"]
+
+
+def test_params_yaml_holds_the_code_defaults():
+    """params.yaml, every section and every key, is the config dataclasses' defaults (and the backends'
+    option dataclasses' under `precision:`): what config.py documents is what runs, and neither drifts."""
     import dataclasses
 
-    from model.precision.options import BACKEND_OPTIONS, LayerFilter
-    from pipeline.config import PrecisionParams
+    from pipeline.config import Params
 
-    section = base()["precision"]
-    classes = {c for c in BACKEND_OPTIONS.values() if c is not None} | {LayerFilter}
-    assert {f.name for f in dataclasses.fields(PrecisionParams)} == {"backend"} | {c.KEY.split(".")[1] for c in classes}
-    for cls in classes:
-        block = section[cls.KEY.split(".")[1]]
-        defaults = dataclasses.asdict(cls())
-        assert block == defaults, f"params.yaml {cls.KEY} differs from {cls.__name__}'s defaults"
-    assert section["backend"] == PrecisionParams().backend
+    diffs = differences(base(), dataclasses.asdict(Params()))
+    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs)
 
 
-def test_params_yaml_choice_comments_match_the_options():
-    """A `# a | b | c` comment beside a precision key in params.yaml lists exactly the values the code
-    allows, so the comments cannot drift either."""
-    import re
+def literal_keys(cls, key: str = "") -> dict[str, tuple]:
+    """Every key of a settings class (nested ones included) whose type is a Literal -> its allowed values."""
+    import dataclasses
     import typing
 
-    from model.precision.options import BACKEND_NAMES, BACKEND_OPTIONS, choices
+    from model.settings import Settings, choices
 
-    allowed = {"backend": BACKEND_NAMES}
-    for cls in filter(None, BACKEND_OPTIONS.values()):
-        for name, tp in typing.get_type_hints(cls).items():
-            if typing.get_origin(tp) is typing.Literal:
-                allowed[name] = choices(tp)
-    text = (ROOT / "params.yaml").read_text()
-    section = text[text.index("\nprecision:"):text.index("\nruntime:")]
-    seen = set()
-    for line in section.splitlines():
-        m = re.match(r"\s+(\w+): [^#]*#\s*(.*\|.*)$", line)
-        if m:
-            key, comment = m.groups()
+    out = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            sub = f"{key}.{name}" if key else name
+            if isinstance(tp, type) and issubclass(tp, Settings):
+                out |= literal_keys(tp, sub)
+            elif typing.get_origin(tp) is typing.Literal:
+                out[sub] = choices(tp)
+    return out
+
+
+def test_params_yaml_choice_comments_match_the_code():
+    """A `# a | b | c` comment beside a key in params.yaml lists exactly the values the code allows (its
+    Literal type), and every key with a fixed set of values has one (a stage's `backend` says what its
+    empty value means instead), so the comments cannot drift either."""
+    import re
+
+    from pipeline.config import Params
+
+    allowed = literal_keys(Params)
+    path, seen = [], set()
+    for line in (ROOT / "params.yaml").read_text().splitlines():
+        m = re.match(r"( *)(\w+):([^#]*)(?:#\s*(.*))?$", line)
+        if not m:
+            continue
+        indent, name, _, comment = m.groups()
+        path = path[:len(indent) // 2] + [name]
+        key = ".".join(path)
+        if comment and " | " in comment:
             listed = tuple(part.split()[0] for part in comment.split(" | "))
-            assert listed == allowed[key], f"params.yaml {key}: comment lists {listed}, code allows {allowed[key]}"
+            assert listed == allowed.get(key), f"params.yaml {key}: comment lists {listed}, code allows {allowed.get(key)}"
             seen.add(key)
-    assert seen == set(allowed), f"keys without a choices comment: {set(allowed) - seen}"
+    stage_backends = {f"{s}.backend" for s in ("pretrain", "midtrain", "sft")}
+    assert seen == set(allowed) - stage_backends, f"keys without a choices comment: {set(allowed) - stage_backends - seen}"
+
+
+def test_every_knob_has_a_docstring():
+    """Each field of every settings class in config.py and options.py is followed by its docstring: the
+    one place a knob is documented (the README sends readers there). A nested block is documented by its
+    class's docstring."""
+    import ast
+    import importlib
+    import typing
+
+    from model.settings import Settings
+
+    missing = []
+    for module in ("pipeline.config", "model.precision.options"):
+        mod = importlib.import_module(module)
+        tree = ast.parse(Path(mod.__file__).read_text())
+        for node in tree.body:
+            cls = getattr(mod, getattr(node, "name", ""), None)
+            if not (isinstance(node, ast.ClassDef) and isinstance(cls, type) and issubclass(cls, Settings)):
+                continue
+            assert ast.get_docstring(node), f"{module}.{node.name} has no docstring"
+            nested = {n for n, tp in typing.get_type_hints(cls).items() if isinstance(tp, type) and issubclass(tp, Settings)}
+            for i, item in enumerate(node.body):
+                if isinstance(item, ast.AnnAssign) and "ClassVar" not in ast.unparse(item.annotation) \
+                        and item.target.id not in nested:
+                    after = node.body[i + 1] if i + 1 < len(node.body) else None
+                    if not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+                        missing.append(f"{module}.{node.name}.{item.target.id}")
+    assert not missing, f"knobs without a docstring: {missing}"
 
 
 def test_precision_options_reach_the_backend():
@@ -172,11 +224,11 @@ def test_config_and_probe_help_load_without_torch():
 
 
 def test_every_probe_flag_has_help_with_its_default():
-    from pipeline.config import ProbeParams
+    from model.precision.options import ProbeOptions
     from pipeline.probe import parser
 
     actions = [a for a in parser()._actions if a.dest != "help"]
     for a in actions:
         assert a.help and "(default: " in a.help, a.option_strings
     steps = next(a for a in actions if a.dest == "steps")
-    assert f"(default: {ProbeParams().steps})" in steps.help
+    assert f"(default: {ProbeOptions().steps})" in steps.help

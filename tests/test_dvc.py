@@ -168,12 +168,19 @@ def test_outputs_are_where_paths_says():
         outs = _declared(st[name], "outs")
         assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
         assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
-    for name in ("prepare", "tokenizer", "tokenize", *paths.TRAIN_STAGES, "evaluate"):
+    for name in ("tokenizer", *paths.TRAIN_STAGES, "evaluate"):  # headline metrics: what dvc metrics show lists
         assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
+    for name in ("prepare", "tokenize", *paths.TRAIN_STAGES):  # the rest of what the inputs decide: an output
+        assert str(paths.details_file(name)) in _declared(st[name], "outs"), name
     assert {str(p) for p in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN, paths.CHAT_VAL,
-                             paths.EVAL_ITEMS)} == _declared(st["prepare"], "outs")
+                             paths.EVAL_ITEMS, paths.details_file("prepare"))} == _declared(st["prepare"], "outs")
     assert str(paths.TOKENIZER) in _declared(st["tokenizer"], "outs")
-    assert {str(paths.PRETRAIN_TOKENS), str(paths.CHAT_TOKENS)} == _declared(st["tokenize"], "outs")
+    assert {str(paths.PRETRAIN_TOKENS), str(paths.CHAT_TOKENS), str(paths.details_file("tokenize"))} \
+        == _declared(st["tokenize"], "outs")
+    # timings are declared nowhere (no hash in dvc.lock) and git ignores them
+    declared = {f for stage in st.values() for key in ("outs", "metrics", "plots") for f in _declared(stage, key)}
+    assert not {f for f in declared if f.startswith(str(paths.TIMINGS))}
+    assert f"/{paths.TIMINGS}/" in (ROOT / ".gitignore").read_text().splitlines()
     assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
     assert _declared(st["export"], "outs") == {str(paths.HF_EXPORT)}
 
@@ -182,6 +189,7 @@ def test_export_depends_on_what_its_card_quotes():
     from pipeline.export import PARAM_STAGES
     deps = set(stages()["export"]["deps"])
     quoted = {paths.CHAT_MODEL, *(paths.metrics_file(s) for s in (*paths.TRAIN_STAGES, "evaluate")),
+              *(paths.details_file(s) for s in paths.TRAIN_STAGES),
               *(paths.stage_params(s) for s in PARAM_STAGES)}
     assert {str(p) for p in quoted} <= deps
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from model.engine import (Engine, EngineConfig, Finished, PromptTooLong, QueueFull, SamplingParams, Token,
-                          sample)
+from model.engine import Engine, EngineConfig, Finished, PromptTooLong, QueueFull, SamplingParams, Token
 from model.gpt import GPTConfig
+from model.sampling import sample
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +75,7 @@ def test_sample_greedy_topk_topp():
 def test_greedy_rows_share_the_top_k_sort_with_sampled_rows():
     """A greedy row keeps one token (`top_k_bound`), so a batch of greedy rows and top-k rows sorts only
     the k largest logits, and the greedy rows still take their argmax."""
-    from model.engine import IDLE, TEMPERATURE, TOP_K, top_k_bound
+    from model.sampling import IDLE, TEMPERATURE, TOP_K, top_k_bound
     torch.manual_seed(0)
     logits = torch.randn(4, 500)
     settings = [list(IDLE) for _ in range(4)]
@@ -95,7 +95,7 @@ def test_top_k_sampling_orders_equal_logits_by_id(monkeypatch):
     """Equal logits (common in bf16) are ranked by id, lowest first, whatever order topk returns them
     in (CUDA's order of ties varies from run to run): the same picks under shuffled topk outputs, and
     greedy rows take argmax's id."""
-    from model.engine import RANKED_K as k_max
+    from model.sampling import RANKED_K as k_max
     g = torch.Generator().manual_seed(0)
     rows, V = 64, 3000
     logits = torch.randint(0, 200, (rows, V), generator=g).float() / 8  # each value about 15 times
@@ -124,7 +124,7 @@ def test_a_failed_sampler_compile_falls_back_to_eager_for_that_k_max():
     not the server; other k_max values keep the compiled sampler."""
     import torch._inductor.exc
 
-    from model.engine import DecodeGraphs
+    from model.decode_graphs import DecodeGraphs
     calls = []
 
     def compiled(*args):
@@ -289,6 +289,39 @@ def test_cancelling_a_waiting_request_frees_the_queue(engine_factory):
     gate.set()
 
 
+def test_a_failing_forward_ends_its_requests_with_an_error(engine_factory):
+    """A forward that raises (here every prompt's first chunk, or a decode step) ends the requests in it
+    with Finished('error') naming the exception, never leaves one waiting for ever, and the engine
+    serves the next request."""
+
+    class FailingModel(ScriptModel):
+        fail_prefill, fail_decode = True, False
+
+        def forward(self, idx, kv_cache, kv_len=None):
+            if idx.shape[1] > 1 and self.fail_prefill or idx.shape[1] == 1 and self.fail_decode:
+                raise RuntimeError("broken on purpose")
+            return super().forward(idx, kv_cache, kv_len)
+
+    model = FailingModel({1: 2, 2: 3, 3: 1})
+    e = engine_factory(model, max_batch=4)
+
+    def finished(prompt: list[int]) -> Finished:
+        box, done = [], threading.Event()
+        e.submit(prompt, SamplingParams(temperature=0, max_tokens=4),
+                 lambda ev: isinstance(ev, Finished) and (box.append(ev), done.set()))
+        assert done.wait(10), "the request never finished"
+        return box[0]
+
+    for prompt in ([1, 2, 3], [2, 3]):
+        f = finished(prompt)
+        assert f.reason == "error" and "broken on purpose" in f.error, f
+    assert finished([1]).reason == "length"  # its one-id prompt passes, as a decode step does
+    model.fail_prefill, model.fail_decode = False, True
+    assert finished([1, 2]).reason == "error"
+    model.fail_decode = False
+    assert finished([1, 2]) == Finished("length", 2, 4)
+
+
 def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
     e = engine_factory(serve_model, max_batch=2)
 
@@ -424,7 +457,7 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
     its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
     batched, greedy and seeded (a real GPT, fp32). The warm-up's progress bar counts every capture.
     The captured graphs themselves: tests/test_engine_gpu.py."""
-    from model.engine import DecodeGraphs
+    from model.decode_graphs import DecodeGraphs
 
     class Replay:  # runs the step again and writes its results into the first run's tensors
         def __init__(self, step, out):
@@ -459,7 +492,8 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
     finally:
         plain.shutdown()
     engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=32, run_ahead=False))
-    engine.graphs = DecodeGraphs(engine, compile_blocks=False)
+    engine.graphs = DecodeGraphs(model, engine.cache, engine.extras_buffers, engine.config.prefill_chunk,
+                                 compile_blocks=False)
     engine.start()
     g = engine.graphs
     total = 2 + len(g.prefills) + len(g.graphs)  # two compile calls, then one per capture

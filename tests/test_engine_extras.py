@@ -75,6 +75,20 @@ def test_penalties_follow_openai_formula(engine_factory, serve_model):
     assert rep == greedy_reference(serve_model, PROMPT, 24, presence=-2.0) and len(set(rep)) < len(set(plain))
 
 
+def test_presence_and_frequency_penalties_are_told_apart():
+    """An id generated 3 times: a frequency penalty weighs each time, a presence penalty only once, and
+    a request's penalties reach the sampler each in its own column (`settings_row`). Greedy, from a
+    logit one above the runner-up: frequency 0.5 takes 1.5 off it (the runner-up wins), presence 0.5
+    takes 0.5 (it stays first). The greedy tests above cannot tell them apart: their ids repeat rarely."""
+    from model.sampling import extras_step, settings_row
+    logits = torch.tensor([[10.0, 9.0, 0.0]])
+    counts, bias = torch.tensor([[3.0, 0.0, 0.0]]), torch.zeros(1, 3)
+    for kw, want in (({"frequency_penalty": 0.5}, 1), ({"presence_penalty": 0.5}, 0)):
+        st = torch.tensor([settings_row(SamplingParams(temperature=0.0, **kw), 0.5, -1)])
+        sampled, _ = extras_step(logits, st, counts, bias)
+        assert int(sampled[0]) == want, kw
+
+
 def test_penalty_changes_the_sampled_distribution(engine_factory, serve_model):
     """Sampling (not greedy): a strong frequency penalty spreads the ids out."""
     e = engine_factory(serve_model, max_batch=8)

@@ -254,14 +254,14 @@ def test_sparkchat_serve_answers_from_a_nanochat_dir(nanochat_dir):
 def test_model_card_quotes_the_dvc_metrics_and_params(tmp_path, monkeypatch, serve_model, serve_tokenizer):
     """The export stage run in a project directory: the card's tables come from the metrics and params files."""
     from pipeline.export import main
-    from pipeline.metrics import write_json
+    from pipeline.metrics import VAL_BPB, write_json
     monkeypatch.chdir(tmp_path)
     save_model_dir(paths.CHAT_MODEL, serve_model, serve_tokenizer, GEN, extra={"stage": "sft", "backend_label": "bf16"})
     write_json(paths.stage_params("prepare"), {"data": {"pretrain_sources": ["my_corpus.txt"],
                                                         "chat_sources": ["hub:some/chats"]}})
     for stage, backend in zip(paths.TRAIN_STAGES, ("fp8", "te-fp8 (delayed)", "bf16")):
-        write_json(paths.metrics_file(stage), {"backend_label": backend, "device": "cuda:0", "steps": 123,
-                                               "tokens": 4567, "final_loss": 1.25, "val_bpb": 0.875})
+        write_json(paths.details_file(stage), {"backend_label": backend, "device": "cuda:0", "steps": 123, "tokens": 4567})
+        write_json(paths.metrics_file(stage), {"train_loss": 1.25, VAL_BPB[stage]: 0.875})
     write_json(paths.metrics_file("evaluate"), {"sft": {"arithmetic": 0.625, "gsm8k": {"accuracy": 0.375}},
                                                 "chance": {"arithmetic": 0.0}})
     main([])
@@ -269,7 +269,8 @@ def test_model_card_quotes_the_dvc_metrics_and_params(tmp_path, monkeypatch, ser
     assert card.startswith("---\nlibrary_name: transformers\n")
     assert f"| parameters | {serve_model.num_params():,} |" in card
     assert "my_corpus.txt" in card and "hub:some/chats" in card
-    assert "| midtrain | te-fp8 (delayed) | cuda:0 | 123 | 4,567 | 1.25 | 0.875 |" in card
+    assert "| midtrain | te-fp8 (delayed) | cuda:0 | 123 | 4,567 | 1.25 | 0.875 (chat) |" in card
+    assert "| sft | bf16 | cuda:0 | 123 | 4,567 | 1.25 | 0.875 (replies) |" in card
     assert "| task | sft | chance |" in card and "| arithmetic | 0.625 | 0 |" in card
     assert "| gsm8k.accuracy | 0.375 | - |" in card
     assert 'path = "artifacts/hf"' in card

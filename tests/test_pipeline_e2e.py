@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from project_files import copy_project
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,8 +50,7 @@ def deep_update(d: dict, u: dict) -> dict:
 
 def make_project(tmp: Path, overrides: dict) -> Path:
     proj = tmp / "proj"
-    shutil.copytree(ROOT, proj, ignore=shutil.ignore_patterns(".git", "artifacts", "__pycache__", "tmp", "*.egg-info",
-                                                              "test-artifacts", ".gpu-stage", ".whl", "bench"))
+    copy_project(ROOT, proj, leave_out=("bench",))  # the project's files only: never a .venv or caches
     params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), overrides)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["dvc", "config", "core.no_scm", "true"], cwd=proj, check=True, capture_output=True)
@@ -131,8 +130,9 @@ def test_repro_noop_and_param_change(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "x 2 rank(s)" in out and "fp8[delayed,history=16]" in out and "sft: done" in out
     sft_metrics = json.loads((proj / paths.metrics_file("sft")).read_text())
-    assert math.isfinite(sft_metrics["final_loss"])
-    assert sft_metrics["backend_label"] == "fp8[delayed,history=16]"  # the options, for dvc metrics show
+    assert math.isfinite(sft_metrics["train_loss"])
+    sft_details = json.loads((proj / paths.details_file("sft")).read_text())
+    assert sft_details["backend_label"] == "fp8[delayed,history=16]"  # the options, one file from dvc metrics show
 
 
 def kill_pretrain_when(proj: Path, appears: Path) -> None:
@@ -162,9 +162,9 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     r = dvc(proj, "repro", "pretrain")
     assert "resuming from checkpoint at step" in r.stderr
     got = json.loads((proj / paths.metrics_file("pretrain")).read_text())
-    assert got["steps"] == want["steps"]
-    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-3)
-    assert got["val_bpb"] == pytest.approx(want["val_bpb"], abs=1e-3)
+    assert (proj / paths.details_file("pretrain")).read_text() == (ref / paths.details_file("pretrain")).read_text()
+    assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-3)
+    assert got["val_bpb_text"] == pytest.approx(want["val_bpb_text"], abs=1e-3)
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
     plot = paths.plot_file("pretrain")
     assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"
@@ -185,4 +185,30 @@ def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):
     assert re.search(rf"moved aside to {re.escape(str(ckpt))}\.damaged-\S+; resuming from checkpoint at step \d+ "
                      rf"of {re.escape(str(ckpt.with_name('prev.pt')))}", r.stderr), r.stderr[-3000:]
     assert len(list((proj / ckpt.parent).glob("last.pt.damaged-*"))) == 1
-    assert json.loads((proj / paths.metrics_file("pretrain")).read_text())["steps"] == 40
+    assert json.loads((proj / paths.details_file("pretrain")).read_text())["steps"] == 40
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_next_run_finishes(tmp_path):
+    """pretrain under a file-size limit (RLIMIT_FSIZE, `ulimit -f`) below its checkpoint's size: the first
+    checkpoint write fails, and the stage says so in one line naming the file and the free space (no
+    traceback); the next run, without the limit, finishes."""
+    import resource
+    proj = make_project(tmp_path, TINY)
+    dvc(proj, "repro", "tokenize")
+    limit = 128 * 1024  # the tiny model's checkpoint (weights and Muon/AdamW state) is about 1 MB; no file before it passes 128 KiB
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([sys.executable, "-m", "pipeline.pretrain"], cwd=proj, env=env(), capture_output=True,
+                       text=True, timeout=300, preexec_fn=cap)
+    ckpt = paths.checkpoint_dir("pretrain") / "last.pt"
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "RuntimeError" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"pretrain: cannot write {re.escape(str(ckpt))}: the file size limit of this process "
+                        rf"\(`ulimit -f`\) reached; [\d.]+ \S+ free on the filesystem holding "
+                        rf"{re.escape(str(ckpt.parent))}\. Free some space and run it again: .*", last), last
+    assert not (proj / ckpt.with_name("last.pt.tmp")).exists()
+    assert ran_stages(dvc(proj, "repro", "pretrain").stdout) == ["pretrain"]
+    assert json.loads((proj / paths.details_file("pretrain")).read_text())["steps"] == TINY["pretrain"]["steps"]

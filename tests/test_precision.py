@@ -6,6 +6,7 @@ the backends' own checks and quantisation code run for real.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from model.gpt import GPT, GPTConfig
 from model.model_dir import portable_state_dict
 from model.optim import build_optimizer
 from model.precision import BACKENDS, BackendUnavailable, LayerFilter, available_backends, get_backend
-from model.precision.options import (BACKEND_OPTIONS, AutoOptions, Fp8Options, Nvfp4Options, OptionError, TEFp8Options,
-                                     parse_entry)
+from model.precision.options import (BACKEND_OPTIONS, AutoOptions, Fp8Options, Nvfp4Options, OptionError, ProbeOptions,
+                                     TEFp8Options, parse_entry)
 from model.precision import base
 from model.precision import formats as fm
 
@@ -364,8 +365,8 @@ def test_disable_low_precision_gives_bf16_path():
 
 def test_probe_cpu_tiny(tmp_path):
     from model.precision.probe import run_probe
-    out = run_probe(steps=3, depth=1, seq_len=16, batch=2, vocab=64, backends=["bf16", "fp8", "te-fp8", "te-nvfp4"],
-                    device="cpu", out_dir=str(tmp_path), log=lambda *_: None)
+    tiny = ProbeOptions(steps=3, depth=1, seq_len=16, batch=2, vocab=64, backends=["bf16", "fp8", "te-fp8", "te-nvfp4"])
+    out = run_probe(tiny, device="cpu", out_dir=str(tmp_path), log=lambda *_: None)
     rows = {r["label"]: r for r in out["results"]}
     assert rows["bf16"]["ran"] and rows["fp8"]["ran"] and rows["fp8"]["speedup"] > 0
     assert not rows["te-fp8[mxfp8,fused]"]["available"] and "NVIDIA GPU" in rows["te-fp8[mxfp8,fused]"]["reason"]
@@ -381,9 +382,10 @@ def test_probe_merge(tmp_path):
 
     from model.precision.probe import merge_probes, run_probe
     from pipeline.probe import main as probe_main
-    kw = dict(steps=2, depth=1, seq_len=16, batch=2, vocab=64, device="cpu", log=lambda *_: None)
-    run_probe(backends=["bf16"], out_dir=str(tmp_path / "a"), **kw)
-    run_probe(backends=["fp8-emulated"], out_dir=str(tmp_path / "b"), **kw)
+    tiny = ProbeOptions(steps=2, depth=1, seq_len=16, batch=2, vocab=64, backends=["bf16"])
+    kw = dict(device="cpu", log=lambda *_: None)
+    run_probe(tiny, out_dir=str(tmp_path / "a"), **kw)
+    run_probe(replace(tiny, backends=["fp8-emulated"]), out_dir=str(tmp_path / "b"), **kw)
     probe_main(["--merge", str(tmp_path / "a/probe.json"), str(tmp_path / "b/probe.json"), "--out", str(tmp_path / "m")])
     merged = json.loads((tmp_path / "m/probe.json").read_text())
     rows = {r["label"]: r for r in merged["results"]}
@@ -393,7 +395,7 @@ def test_probe_merge(tmp_path):
     failed["results"][0].update(ran=False, error="RuntimeError: out of memory")
     again = merge_probes([merged, failed])
     assert {r["label"]: r["ran"] for r in again["results"]} == {"bf16": True, "fp8-emulated": True}
-    run_probe(backends=["bf16"], out_dir=str(tmp_path / "c"), **{**kw, "steps": 3})
+    run_probe(replace(tiny, steps=3), out_dir=str(tmp_path / "c"), **kw)
     with pytest.raises(ValueError, match="different steps"):
         probe_main(["--merge", str(tmp_path / "a/probe.json"), str(tmp_path / "c/probe.json"), "--out", str(tmp_path / "x")])
 
@@ -431,8 +433,8 @@ def test_probe_entry_layer_filter(tmp_path):
 
     from model.precision.probe import run_probe
     logs = []
-    out = run_probe(steps=2, depth=1, seq_len=16, batch=2, vocab=64, backends=["fp8", "fp8:skip="],
-                    device="cpu", out_dir=str(tmp_path), log=lambda *a: logs.append(" ".join(map(str, a))))
+    tiny = ProbeOptions(steps=2, depth=1, seq_len=16, batch=2, vocab=64, backends=["fp8", "fp8:skip="])
+    out = run_probe(tiny, device="cpu", out_dir=str(tmp_path), log=lambda *a: logs.append(" ".join(map(str, a))))
     rows = {r["label"]: r for r in out["results"]}
     assert set(rows) == {"fp8", "fp8[skip=none]"} and all(r["ran"] for r in rows.values())
     assert any("4 Linear layers converted" in line for line in logs)  # c_qkv, c_proj, c_fc, c_proj
@@ -568,3 +570,19 @@ def test_bench_variant_modifiers():
     assert parse_variant("fp8:skip=@cudnn")[2:] == ("cudnn", LayerFilter(16, []))
     with pytest.raises(ValueError, match="unknown variant modifier @bthd"):
         parse_variant("bf16@bthd")
+
+
+def test_peak_flops_by_device_and_none_for_an_unknown_gpu(monkeypatch):
+    """MFU's denominator comes from one table by device name (a variant before its family); a GPU not in
+    it, or a CPU, gets no peak and a reason naming the device and the table, never another GPU's peak."""
+    from model.peak_flops import peak_flops
+
+    for name, tflops in [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+                         ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA B200", 2250)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        peak, about = peak_flops("cuda")
+        assert peak == tflops * 1e12 and name in about, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GB10")
+    peak, about = peak_flops("cuda")
+    assert peak is None and "no MFU" in about and "NVIDIA GB10" in about and "PEAK_BF16_TFLOPS" in about
+    assert peak_flops("cpu")[0] is None

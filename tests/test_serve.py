@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import SlowModel
 from model.chat import display_words, render
 from serve.api import Settings, create_app
 from serve.runtime import Runtime
@@ -29,17 +30,6 @@ def server(serve_start, serve_model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-class SlowModel:
-    """Wraps the engine's model so each forward takes `delay` seconds: requests stay in flight."""
-
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
-
-    def __call__(self, *a, **kw):
-        time.sleep(self.delay)
-        return self.model(*a, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +113,18 @@ def test_raw_sse_frames(server):
     assert objs[-1]["choices"][0]["delta"] == {"sparkchat_parts": [{"type": "text", "text": text}]}
     assert objs[-1]["choices"][0]["finish_reason"] == "length"
     assert "usage" not in objs[0]  # not asked for
+
+
+def test_a_developer_message_is_the_system_prompt(client, serve_tokenizer):
+    """OpenAI's newer models take the system prompt as a `developer` message, and the openai package
+    sends it so: the model sees it as the system prompt it was trained with."""
+    system = [{"role": "system", "content": "Be brief."}, *HI]
+    developer = [{"role": "developer", "content": "Be brief."}, *HI]
+    want = chat(client, max_tokens=8, temperature=0, messages=system)
+    got = chat(client, max_tokens=8, temperature=0, messages=developer)
+    assert got.usage.prompt_tokens == len(render(serve_tokenizer, system, for_completion=True)[0])
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.choices[0].message.content != chat(client, max_tokens=8, temperature=0, messages=HI).choices[0].message.content
 
 
 def test_stop_strings(client):
@@ -278,6 +280,7 @@ def test_429_queue_full_and_cancel_frees_slot(tight_server):
         chat(c, max_tokens=5)
     err = error_of(e)
     assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+    assert e.value.response.headers["retry-after"] == "1"  # when to try again (the openai package waits that long)
     # record (not replace) the engine's cancels, with whether the request was unfinished: the second
     # request must get the row because the first was cancelled, not because it ran to its end
     cancels, real_cancel = [], rt.engine.cancel

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from model.chat import ToolUse
 from serve.api import Settings
-from serve.ui import EMPTY, EXAMPLES, TOOL_TITLE, build_ui, model_line, reply_messages, to_messages
+from serve.ui import EMPTY, EXAMPLES, TOOL_TITLE, build_ui, fit_prompt, model_line, reply_messages, to_messages
 from sparkchat import paths
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,6 +69,36 @@ def test_examples_and_max_tokens_bounded_by_the_context(serve_model_dir):
     app.state.settings, app.state.runtime = Settings(model_dir=serve_model_dir), None
     page = build_ui(app)
     sliders = [b for b in page.blocks.values() if isinstance(b, gr.Slider) and b.label.startswith("Max tokens")]
-    assert len(sliders) == 1 and sliders[0].maximum == 128 and sliders[0].value == 16  # generation.json's
+    assert len(sliders) == 1 and sliders[0].maximum == 128 and sliders[0].value == 0  # what the context leaves
+    assert "up to 16" in sliders[0].label  # generation.json's
     chatbot = next(b for b in page.blocks.values() if isinstance(b, gr.Chatbot))
     assert [e["text"] for e in chatbot.examples] == EXAMPLES
+
+
+def exchanges(n: int) -> list[dict]:
+    msgs = []
+    for i in range(n):
+        msgs += [{"role": "user", "content": f"Sea {i}?"},
+                 {"role": "assistant", "content": f"Water {i}."}]
+    return msgs + [{"role": "user", "content": "Sky?"}]
+
+
+def test_the_reply_budget_is_what_the_context_leaves_and_the_history_stays(serve_tokenizer):
+    """The page's default (max tokens 0): a conversation keeps all its turns while the reply still has
+    a quarter of the 128-token context, and the reply may use all the rest (up to generation.json's)."""
+    from model.chat import render
+    tok = serve_tokenizer
+    n = max(k for k in range(1, 20) if len(render(tok, exchanges(k), for_completion=True)[0]) <= 96)
+    full = render(tok, exchanges(n), for_completion=True)[0]
+    assert len(full) > 64  # over the half the page kept before: its second or third turn dropped the first
+    ids, budget, dropped = fit_prompt(tok, 128, exchanges(n), 0, 256)
+    assert (ids, budget, dropped) == (full, 128 - len(full), 0)
+    assert fit_prompt(tok, 128, exchanges(n), 0, 10)[1] == 10  # the model's own default caps it
+    # one exchange more: the oldest leave, and only as many as the reply's quarter needs
+    ids, budget, dropped = fit_prompt(tok, 128, exchanges(n + 1), 0, 256)
+    assert dropped >= 2 and len(ids) <= 96 and budget == 128 - len(ids)
+    kept_one_more = render(tok, exchanges(n + 1)[dropped - 2:], for_completion=True)[0]
+    assert len(kept_one_more) > 96
+    # a budget the user sets keeps its own room, as the terminal's
+    ids, budget, dropped = fit_prompt(tok, 128, exchanges(n), 50, 256)
+    assert budget == min(50, 128 - len(ids)) and len(ids) <= 128 - 50 and dropped > 0

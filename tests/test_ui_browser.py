@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SlowModel
+
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -19,15 +21,6 @@ if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
     pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed "
                                "(pip install playwright; no browser download needed)")
-
-
-class SlowModel:
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
-
-    def __call__(self, *a, **kw):
-        time.sleep(self.delay)
-        return self.model(*a, **kw)
 
 
 BROWSER_ARGS = [

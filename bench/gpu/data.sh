@@ -4,7 +4,7 @@
 # user would make one (the generated corpus, every byte of it read; the built-in chat data, no hub; a
 # tokenizer trained on 20M characters; pretrain capped at STEPS steps), `dvc exp run ... pretrain` from a
 # fresh clone (bench/gpu/pipeline.sh), then the probe at the same shape on the token file pretrain read.
-# Pretrain's sustained tokens/s and GPU idle time (reports/pretrain/metrics.json) against the probe's
+# Pretrain's sustained tokens/s and idle time (reports/timings/pretrain.json) against the probe's
 # micro-step and whole step (probe/probe.json): PROBE_RUNS runs of the probe give its median and range.
 #   bash bench/gpu/data.sh [SIZE]      (default 5GB; about 10 minutes on an H200 with 16 cores)
 # Environment: STEPS (40), PROBE_STEPS (30), PROBE_RUNS (3), PARTS (8), OUT (/tmp/sparkchat-bench/data),
@@ -47,4 +47,4 @@ vocab=$(python3 -c "from model.tokenizer import SparkTokenizer; from sparkchat i
 tokens=$(python3 -c "from sparkchat import paths; print(paths.PRETRAIN_TRAIN_TOKENS)").ids.bin
 python3 -m bench.probe_spread --runs "${PROBE_RUNS:-3}" --out "$OUT/probe" -- --depth 20 --seq-len 2048 --batch 32 \
   --vocab "$vocab" --backends fp8 --steps "${PROBE_STEPS:-30}" --tokens "$tokens" 2>&1 | tail -8
-cp reports/pretrain/metrics.json "$OUT/pretrain_metrics.json"
+cp reports/timings/pretrain.json "$OUT/pretrain_timings.json"

@@ -128,6 +128,7 @@ echo "dvc exp run rc=$rc"
   # the columns that differ between rows (all of them: results.tar's exp_show.json)
   echo; echo "== dvc exp show --only-changed"; dvc exp show --no-pager --md --only-changed 2>&1
   echo; echo "== dvc metrics show"; dvc metrics show 2>&1
+  echo; echo "== dvc metrics show -R reports/timings"; dvc metrics show -R reports/timings 2>&1
   echo; echo "== dvc params diff"; dvc params diff 2>&1
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"

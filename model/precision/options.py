@@ -1,119 +1,28 @@
 """Every precision backend's options, declared once: one typed dataclass per backend, with defaults,
-allowed values (`Literal[...]`) and a docstring per field (torchtitan's float8 converter `Config`).
+allowed values (`Literal[...]`) and a docstring per field (torchtitan's float8 converter `Config`), and
+the probe's settings.
 
 params.yaml's `precision:` section holds one block per dataclass under the name in its `KEY`
 (`precision.fp8`, `precision.te_fp8`, ...); `pipeline/config.py` builds those blocks into these types,
-the probe builds them from entries such as `fp8:scaling=delayed`, and each backend receives one. The
-dataclass checks itself on construction, so a bad value fails wherever it came from, with an
-`OptionError` naming the full key (`precision.fp8.scaling must be one of dynamic, delayed; got 'lazy'`).
+the probe builds them from entries such as `fp8:scaling=delayed`, and each backend receives one. Each
+dataclass checks itself on construction (model/settings.py, the one validator of every setting), so a
+bad value fails wherever it came from, naming the full key (`precision.fp8.scaling must be one of
+dynamic, delayed; got 'lazy'`).
 
 Deliberately free of torch, so the configuration and the command line's `--help` load quickly.
 """
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping
 
+from model.settings import SettingError, Settings, choices
 
-class OptionError(ValueError):
-    """A bad backend option; the message names its key (e.g. precision.fp8.scaling)."""
-
-
-def choices(tp) -> tuple:
-    """The allowed values of a Literal type, e.g. choices(TERecipe) == ('delayed', 'current', ...)."""
-    return typing.get_args(tp)
+OptionError = SettingError  # the name the precision package has always raised a bad option under
 
 
-@dataclass
-class Options:
-    """Base of the option dataclasses: checks types and allowed values of every field on construction,
-    then each `MINIMUM` bound."""
-    KEY: ClassVar[str] = ""
-    """Where params.yaml holds these options, e.g. 'precision.fp8'."""
-    MINIMUM: ClassVar[dict[str, float]] = {}
-    """field -> the smallest value it may take."""
-
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _checked(getattr(self, f.name), hints[f.name], f"{self.KEY}.{f.name}"))
-        for name, low in self.MINIMUM.items():
-            if getattr(self, name) < low:
-                raise OptionError(f"{self.KEY}.{name} must be >= {low}, got {getattr(self, name)}")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, base: "Options | None" = None):
-        """These options from a params block (a mapping of field -> value), over `base` if given."""
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise OptionError(f"{cls.KEY} must be a mapping, got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise OptionError(f"unknown key '{cls.KEY}.{unknown[0]}' (known keys: {', '.join(names)})")
-        return dataclasses.replace(base, **data) if base is not None else cls(**data)
-
-    @classmethod
-    def parse(cls, pairs: Mapping[str, str]):
-        """These options from text values (`key=value` on a command line), each read as its field's type."""
-        hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
-        typed = {}
-        for k, text in pairs.items():
-            if k not in names:
-                raise OptionError(f"unknown key '{cls.KEY}.{k}' (known keys: {', '.join(names)})")
-            typed[k] = _from_text(text, hints[k], f"{cls.KEY}.{k}")
-        return cls(**typed)
-
-    def changed(self) -> dict[str, Any]:
-        """The fields that differ from their defaults (what a label or a probe row records)."""
-        default = type(self)()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(default, f.name)}
-
-
-def _checked(value, tp, key):
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise OptionError(f"{key} must be one of {', '.join(map(str, typing.get_args(tp)))}; got {value!r}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise OptionError(f"{key} must be a list, got {value!r}")
-        return [_checked(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool and not isinstance(value, bool):
-        raise OptionError(f"{key} must be true or false, got {value!r}")
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise OptionError(f"{key} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise OptionError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if tp is str and not isinstance(value, str):
-        raise OptionError(f"{key} must be a string, got {value!r}")
-    return value
-
-
-def _from_text(text: str, tp, key):
-    if tp is bool:
-        if text not in ("true", "false"):
-            raise OptionError(f"{key} must be true or false, got {text!r}")
-        return text == "true"
-    try:
-        if tp is int:
-            return int(text)
-        if tp is float:
-            return float(text)
-    except ValueError:
-        raise OptionError(f"{key} must be {'an integer' if tp is int else 'a number'}, got {text!r}") from None
-    if typing.get_origin(tp) is list:  # a list on one line: a+b
-        return [s for s in text.split("+") if s]
-    return text
+class Options(Settings):
+    """Base of a backend's options (`BACKEND_OPTIONS`): settings with a fixed place under `precision:`."""
 
 
 # -- the backends' options ----------------------------------------------------------------------------
@@ -219,6 +128,7 @@ BACKEND_OPTIONS: dict[str, type[Options] | None] = {
     "fp8-emulated": None, "nvfp4-emulated": Nvfp4Options, "auto": AutoOptions,
 }
 BACKEND_NAMES = tuple(BACKEND_OPTIONS)
+BackendName = Literal[BACKEND_NAMES]  # the allowed values of a `backend` setting
 
 
 def options_for(name: str, data: Mapping[str, Any] | Options | None = None) -> Options | None:
@@ -285,3 +195,41 @@ def parse_entry(text: str) -> Entry:
     except OptionError as e:
         raise OptionError(f"probe entry '{text}': {e}") from None
     return Entry(text, name, options, skip)
+
+
+# -- the probe's settings ------------------------------------------------------------------------------
+
+@dataclass
+class ProbeOptions(Settings):
+    """What the precision probe runs (model/precision/probe.py `run_probe`): params.yaml's `probe:` section,
+    read by `sparkchat probe` (whose flags override each field) and bench/dvc.yaml's probe stage."""
+    KEY: ClassVar[str] = "probe"
+    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2}
+    steps: int = 20
+    """Training steps per entry."""
+    depth: int = 4
+    """Model depth: width 64 x depth, in heads of 128 (nanochat's dial). nvfp4 keeps its last 2 blocks in
+    bf16, so a deeper model leaves it layers to convert."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    batch: int = 4
+    """Sequences per step."""
+    vocab: int = 2048
+    """Vocabulary of the model and of its synthetic data."""
+    seed: int = 0
+    """Seed of the model and of the data."""
+    backends: list[str] = field(default_factory=lambda: ["bf16", "fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed",
+                                                         "te-fp8", "te-nvfp4", "fp8-emulated", "nvfp4-emulated"])
+    """Entries: a backend name, or name:key=value[,key=value] with the keys of its options (params.yaml's
+    precision.<backend>), e.g. fp8:scaling=delayed, te-fp8:current (a recipe) or fp8:skip= (a layer skip
+    list of its own; empty: every Linear converts, the head too)."""
+    te_recipes: list[TERecipe] = field(default_factory=lambda: list(choices(TERecipe)))
+    """Recipes a bare `te-fp8` entry expands to."""
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        for i, text in enumerate(self.backends):
+            try:
+                parse_entry(text)
+            except SettingError as e:
+                raise SettingError(f"{key}.backends[{i}]: {e}") from None

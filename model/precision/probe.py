@@ -14,8 +14,8 @@ backend at ln(vocab)).
 Timing: medians over the steps after warm-up (compile), by CUDA events: the forward + backward micro-step
 (tokens/s, speedup and MFU; the part a backend changes) and the whole step with the optimizer. The host
 reads losses every 10 steps, as a training loop would, so it queues work ahead of the GPU.
-MFU: `model.flops_per_token()` (counted from the shape, so the same for every backend) x tokens/s /
-`peak_tflops` (the dense bf16 peak of an H100/H200 SXM by default).
+MFU: `model.flops_per_token()` (counted from the shape, so the same for every backend) x tokens/s / the
+GPU's dense BF16 peak (model/peak_flops.py; none for a GPU the table does not hold, with the reason).
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ import torch
 
 from model.gpt import GPT, GPTConfig
 from model.optim import build_optimizer
+from model.peak_flops import peak_flops
 
 from .base import compile_model, describe_device
-from .options import Entry, LayerFilter, TERecipe, TEFp8Options, choices, parse_entry
+from .options import Entry, LayerFilter, ProbeOptions, TERecipe, TEFp8Options, choices, parse_entry
 from .registry import get_backend
 
 
@@ -193,19 +194,20 @@ class StepClock:
         return self.t[1] - self.t[0], self.t[2] - self.t[0]
 
 
-def run_probe(*, steps: int, depth: int, seq_len: int, batch: int, vocab: int, backends: list[str], seed: int = 0,
-              te_recipes: list[str] | None = None, tokens: str | None = None, device: str | None = None,
-              compile: bool = True, peak_tflops: float = 989.0, layer_filter: LayerFilter | None = None,
-              lrs: tuple = (0.02, 0.2, 0.004), out_dir: str | None = None, log=print) -> dict:
-    """Probe every entry of `backends`; returns the probe.json dict (and writes probe.json/probe.md to
-    out_dir). The shape and the entries have no defaults here: the command's are params.yaml's `probe:`
-    section (pipeline/config.py ProbeParams)."""
+def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str | None = None, compile: bool = True,
+              layer_filter: LayerFilter | None = None, lrs: tuple = (0.02, 0.2, 0.004), out_dir: str | None = None,
+              log=print) -> dict:
+    """Probe every entry of `settings.backends` (the shape, steps and entries: params.yaml's `probe:`
+    section, options.ProbeOptions); returns the probe.json dict (and writes probe.json/probe.md to out_dir)."""
+    steps, depth, seq_len, batch, vocab, seed = (settings.steps, settings.depth, settings.seq_len, settings.batch,
+                                                 settings.vocab, settings.seed)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = model_config(depth, seq_len, vocab)
-    entries = expand_entries(backends, te_recipes)
+    entries = expand_entries(settings.backends, settings.te_recipes)
     layer_filter = layer_filter or LayerFilter()
+    peak, peak_about = peak_flops(dev)
     log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
-        f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}")
+        f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}; {peak_about}")
     n_rows = batch * min(steps, 64)
     data = file_tokens(tokens, n_rows, seq_len + 1, vocab, dev) if tokens else \
         markov_tokens(n_rows, seq_len + 1, vocab, seed, dev)
@@ -225,7 +227,7 @@ def run_probe(*, steps: int, depth: int, seq_len: int, batch: int, vocab: int, b
                 row.update(_train(entry.name, entry.options, cfg, data, steps, batch, seed, dev, compile, entry_lf, lrs,
                                   log))
                 row["ran"] = True
-                row["mfu"] = flops * row["tokens_per_s"] / (peak_tflops * 1e12) if dev.type == "cuda" else None
+                row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
             except Exception as e:  # record, keep probing the others
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                 log(f"  FAILED: {row['error']}")
@@ -242,7 +244,8 @@ def run_probe(*, steps: int, depth: int, seq_len: int, batch: int, vocab: int, b
     out = dict(device=describe_device(dev), torch=torch.__version__, te=_te_version(),
                config=dict(depth=depth, width=cfg.n_embd, n_head=cfg.n_head, seq_len=seq_len, batch=batch,
                            tokens_per_step=batch * seq_len, steps=steps, seed=seed, vocab=vocab,
-                           data=tokens or "markov-synthetic", flops_per_token=flops, peak_tflops=peak_tflops,
+                           data=tokens or "markov-synthetic", flops_per_token=flops,
+                           peak_tflops=peak and peak / 1e12, mfu=peak_about,
                            params=cfg.n_layer * 12 * cfg.n_embd ** 2 + 2 * vocab * cfg.n_embd),
                results=results)
     if out_dir:
@@ -297,6 +300,12 @@ def _te_version():
         return None
 
 
+def _mfu_basis(config: dict) -> str:
+    if "mfu" in config:
+        return config["mfu"]
+    return f"MFU at {config['peak_tflops']:.0f} TFLOP/s"  # a probe.json from before the peak table
+
+
 def _f(v, fmt, unit=""):
     return "" if v is None else format(v, fmt) + unit
 
@@ -310,7 +319,7 @@ def to_markdown(out: dict) -> str:
     lines = [f"# Precision probe: {out['device']}", "",
              f"torch {out['torch']}, Transformer Engine {out['te'] or 'not installed'}; depth {c['depth']} "
              f"(width {c['width']}), seq {c['seq_len']}, {c['tokens_per_step']} tokens/step, {c['steps']} steps, "
-             f"data {c['data']}, MFU at {c['peak_tflops']:.0f} TFLOP/s from {c['flops_per_token'] / 1e9:.2f} GFLOP/token.",
+             f"data {c['data']}, {c['flops_per_token'] / 1e9:.2f} GFLOP/token; {_mfu_basis(c)}.",
              "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the last "
              "column is the whole step with the optimizer (the same Muon + AdamW for every backend).",
              "", "| " + " | ".join(PROBE_COLUMNS) + " |", "|" + " --- |" * len(PROBE_COLUMNS)]

@@ -1,0 +1,272 @@
+"""OpenAI's Responses API (`POST /v1/responses`) for text: its bodies and its logic.
+
+A request is a conversation: `input` is a string (one user message) or a list of messages, each with a
+role (user, assistant, system, or developer: the system prompt, as is `instructions`) and its content as
+a string or as text parts (`input_text`, or the `output_text` parts of a response's output sent back).
+It renders with the training renderer, as chat completions do, and runs as one engine request through
+`Runtime.open_stream`. The reply is one output message holding one `output_text` part (the assistant's
+words; a calculator use shows as in chat completions' `content`: its words only). The response's status is
+"completed", or "incomplete" (reason `max_output_tokens`) when the token budget or the context ended it.
+
+With `stream`, the reply comes as the events OpenAI sends, each an SSE `event:` line and its JSON with a
+`sequence_number`: response.created, response.in_progress, response.output_item.added,
+response.content_part.added, response.output_text.delta (one per piece of text), response.output_text.done,
+response.content_part.done, response.output_item.done, then response.completed (or response.incomplete,
+or response.failed when the engine failed). Nothing is stored: `store` is accepted and ignored (as vLLM
+does by default), and `previous_response_id` is refused; send the conversation in `input`.
+
+Sampling takes `temperature`, `top_p` and `max_output_tokens`; the other fields follow schemas.py's
+rules: fields that describe the request to a provider are ignored, features this server lacks accept
+only the value that changes nothing, and any other field is a 400 that names it.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from typing import Annotated, AsyncIterator, ClassVar, Literal, Optional, Union
+
+from fastapi import Request
+from pydantic import BaseModel, Field
+
+from model.chat import ChatFormatError
+
+from . import serving
+from .errors import APIError
+from .runtime import Runtime, TextStream
+from .schemas import NO_TOOLS, NoTools, _Strict, _unsupported
+
+# parameter -> the value at which it does nothing (the only value accepted; schemas.py's rule)
+NOOPS = {**NO_TOOLS, "previous_response_id": None,
+         "conversation": None, "background": False, "reasoning": None, "text": {"format": {"type": "text"}},
+         "include": [], "top_logprobs": 0, "max_tool_calls": None, "prompt": None, "truncation": "disabled"}
+
+
+class TextPart(_Strict):
+    """A message's text: `input_text`, or an `output_text` part of an earlier response sent back."""
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Optional[Annotated[list, Field(max_length=0)]] = None
+    logprobs: Optional[list] = Field(None, description="accepted and ignored (an output_text sent back)")
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] = Field(
+        description="system and developer: the system prompt (only first, and not with `instructions`)")
+    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+    id: Optional[str] = Field(None, description="accepted and ignored (an output message sent back)")
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    phase: Optional[Literal["commentary", "final_answer"]] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(NoTools):
+    NOOPS: ClassVar[dict] = NOOPS
+
+    model: str
+    input: Union[str, Annotated[list[InputMessage], Field(min_length=1)]]
+    instructions: Optional[str] = Field(None, description="the system prompt")
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stream: bool = False
+    # accepted with any value of their type, and ignored: they change nothing a local model could do
+    stream_options: Optional[dict] = None
+    metadata: Optional[dict[str, str]] = Field(None, description="returned as given")
+    store: Optional[bool] = None
+    user: Optional[str] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    previous_response_id: Optional[str] = _unsupported(NOOPS["previous_response_id"])
+    conversation: Union[str, dict, None] = _unsupported(NOOPS["conversation"])
+    background: Optional[bool] = _unsupported(NOOPS["background"])
+    reasoning: Optional[dict] = _unsupported(NOOPS["reasoning"])
+    text: Optional[dict] = _unsupported(NOOPS["text"])
+    include: Optional[list] = _unsupported(NOOPS["include"])
+    top_logprobs: Optional[int] = _unsupported(NOOPS["top_logprobs"])
+    max_tool_calls: Optional[int] = _unsupported(NOOPS["max_tool_calls"])
+    prompt: Optional[dict] = _unsupported(NOOPS["prompt"])
+    truncation: Optional[str] = _unsupported(NOOPS["truncation"])
+
+    def messages(self) -> list[dict]:
+        """The conversation for the renderer: `instructions` first, as the system prompt."""
+        turns = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        msgs = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        for i, m in enumerate(turns):
+            system = m.role in ("system", "developer")
+            if system and (msgs or i):
+                where = "with `instructions`" if self.instructions is not None else "after the first message"
+                raise APIError(400, f"input[{i}]: a {m.role} message {where}: this model takes one system prompt, "
+                                    f"before the conversation (`instructions`, or the first input message)",
+                               f"input[{i}].role")
+            msgs.append({"role": "system" if system else m.role, "content": m.text()})
+        return msgs
+
+
+# ---- the response ----
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = []
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: Literal["server_error"] = "server_error"
+    message: str
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: Optional[ResponseError] = None
+    incomplete_details: Optional[IncompleteDetails] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    metadata: dict[str, str] = {}
+    model: str
+    output: list[OutputMessage] = []
+    parallel_tool_calls: bool = False
+    store: bool = False  # nothing is stored, whatever the request asked
+    temperature: float
+    top_p: float
+    text: dict = {"format": {"type": "text"}}
+    tool_choice: Literal["none"] = "none"
+    tools: list = []
+    truncation: Literal["disabled"] = "disabled"
+    usage: Optional[ResponseUsage] = None
+
+
+# ---- logic ----
+
+def check(req: ResponsesRequest, runtime: Runtime) -> list[int]:
+    """Everything the schema cannot say; returns the prompt ids."""
+    serving.check_supported(req, runtime)
+    try:
+        ids = runtime.render(req.messages())
+    except ChatFormatError as e:
+        raise APIError(400, str(e), "input") from None
+    if len(ids) >= runtime.context_len:
+        raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; your input "
+                            f"resulted in {len(ids)} tokens, leaving no room for a reply. Please shorten the input.",
+                       "input", "context_length_exceeded")
+    return ids
+
+
+class _Run:
+    """One response in the making: its engine stream and what the response object says of it."""
+
+    def __init__(self, req: ResponsesRequest, runtime: Runtime, prompt: list[int]):
+        try:
+            self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens)
+        except ValueError as e:  # a value out of range
+            raise APIError(400, str(e)) from None
+        # submitted now, so a full queue or a prompt the engine refuses is an HTTP error, not a broken stream
+        self.stream: TextStream = serving.open_streams(runtime, [(prompt, self.params)], [], "input")[0]
+        self.req, self.runtime, self.prompt = req, runtime, prompt
+        self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    @property
+    def status(self) -> str:
+        reason = self.stream.finish_reason
+        return "in_progress" if reason is None else {"length": "incomplete", "error": "failed"}.get(reason, "completed")
+
+    def message(self, text: str | None) -> OutputMessage:
+        status = "in_progress" if text is None else "completed" if self.status == "completed" else "incomplete"
+        return OutputMessage(id=self.message_id, status=status, content=[] if text is None else [OutputText(text=text)])
+
+    def response(self, text: str | None = None) -> ResponseObject:
+        """The response object; before the reply's `text` is whole (None), as the stream's first events show it."""
+        s, status = self.stream, self.status if text is not None else "in_progress"
+        done = status != "in_progress"
+        return ResponseObject(
+            id=self.id, created_at=self.created, status=status, model=self.runtime.model_id,
+            instructions=self.req.instructions, max_output_tokens=self.req.max_output_tokens,
+            metadata=self.req.metadata or {}, temperature=self.params.temperature, top_p=self.params.top_p,
+            output=[self.message(text)] if done else [],
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            error=ResponseError(message="The model failed while generating (the server's log says why)")
+            if status == "failed" else None,
+            usage=ResponseUsage(input_tokens=len(self.prompt), output_tokens=s.completion_tokens,
+                                total_tokens=len(self.prompt) + s.completion_tokens) if done else None)
+
+
+async def complete(req: ResponsesRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ResponseObject:
+    run = _Run(req, runtime, prompt)
+    text, = await serving.collect([run.stream], raw)
+    return run.response(text)
+
+
+def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
+    """Open the stream now (so errors become HTTP errors), then return the SSE event iterator."""
+    run = _Run(req, runtime, prompt)
+    numbers = itertools.count()
+    where = {"item_id": run.message_id, "output_index": 0, "content_index": 0}
+
+    def event(kind: str, **fields) -> str:
+        """One SSE event; json.dumps of a small dict (a delta is the per-token line: no pydantic object)."""
+        body = json.dumps({"type": kind, "sequence_number": next(numbers), **fields}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {body}\n\n"
+
+    def snapshot(text: str | None = None) -> dict:
+        return run.response(text).model_dump(mode="json")
+
+    async def events():
+        try:
+            yield event("response.created", response=snapshot())
+            yield event("response.in_progress", response=snapshot())
+            yield event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
+            yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
+            pieces = []
+            async for piece in run.stream:
+                if piece:  # "" marks a calculator use: its words come as text
+                    pieces.append(piece)
+                    yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+            text = "".join(pieces)
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
+            yield event("response.output_item.done", output_index=0, item=run.message(text).model_dump(mode="json"))
+            final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(run.status,
+                                                                                                  "response.failed")
+            yield event(final, response=snapshot(text))
+        finally:  # normal end, or the client went away: free the row now
+            run.stream.cancel()
+
+    return events()

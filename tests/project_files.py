@@ -1,0 +1,60 @@
+"""What a test's copy of the project holds: the project's own files, never a virtual environment, caches
+or artifacts.
+
+The end-to-end tests run DVC in a copy of the project. Copying the checkout's folder wholesale took
+whatever lay in it: a clone holding its virtual environment in `.venv` put 4.2 GB into every copy (42 GB
+in one run, pytest keeping the last three). So a copy takes git's list instead: the tracked files, plus
+new files that are not ignored inside folders git already tracks (a module written but not yet added).
+A folder git does not track at all (a virtual environment under any name, a dataset) stays out, and so
+does everything `.gitignore` names (caches, `artifacts/`, DVC's cache). Outside a git checkout (an
+unpacked source archive) the copy takes the top-level entries in ALLOWED instead.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+# without git: what a project is, by top-level name (each folder copied without its __pycache__)
+ALLOWED = (".dvc/config", ".dvc/plots", ".dvcignore", "Makefile", "dvc.yaml", "params.yaml", "pyproject.toml",
+           "bench", "docs", "model", "pipeline", "profiles", "serve", "sparkchat", "tests")
+
+
+def _git(root: Path, *args: str) -> list[str] | None:
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args, "-z"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [p for p in r.stdout.decode().split("\0") if p]
+
+
+def project_files(root: Path) -> list[str] | None:
+    """The project's files under `root`, relative to it (git's view, see above); None outside a checkout."""
+    tracked = _git(root, "ls-files", "--cached")
+    if tracked is None:
+        return None
+    # --directory: a wholly untracked folder is one entry ("venv/"), which is no file, so it stays out
+    new = _git(root, "ls-files", "--others", "--exclude-standard", "--directory") or []
+    return sorted(p for p in set(tracked + new) if (root / p).is_file())
+
+
+def copy_project(root: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """Copies the project at `root` to `dest` (project_files, or ALLOWED outside git), without the
+    top-level entries in `leave_out`."""
+    files = project_files(root)
+    if files is None:
+        for name in ALLOWED:
+            if name.split("/")[0] not in leave_out and (root / name).exists():
+                src, dst = root / name, dest / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if src.is_dir():
+                    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(src, dst)
+        return dest
+    for rel in files:
+        if rel.split("/")[0] in leave_out:
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dest / rel, follow_symlinks=False)
+    return dest

@@ -1,0 +1,158 @@
+"""OpenAI's Responses API on the live server, driven by the openai package's own `client.responses.create`,
+streamed and not: the same model, renderer and engine as chat completions, OpenAI's shapes and events."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from model.chat import render
+from serve.api import Settings, create_app
+from serve.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(120)
+
+EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+          "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+@pytest.fixture(scope="module")
+def client(serve_start, serve_model_dir):
+    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False)))
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tool_client(serve_start, conv_tool_model_dir):
+    """A model that ends its replies: a response that completes."""
+    server = serve_start(create_app(Settings(model_dir=conv_tool_model_dir, ui=False)))
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy_chat(client, messages, max_tokens):
+    return client.chat.completions.create(model="sparkchat", messages=messages, max_tokens=max_tokens,
+                                          temperature=0).choices[0].message.content
+
+
+def test_a_response_is_the_chat_reply(client, serve_tokenizer):
+    r = client.responses.create(model="sparkchat", input="Hello! How are you today?", instructions="Be brief.",
+                                max_output_tokens=6, temperature=0, metadata={"run": "7"})
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! How are you today?"}]
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "sparkchat"
+    assert r.output_text == greedy_chat(client, conversation, 6) and r.output_text
+    (message,) = r.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [p.type for p in message.content] == ["output_text"]
+    # the fixture model never ends by itself: the budget ended it
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    prompt = len(render(serve_tokenizer, conversation, for_completion=True)[0])
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (prompt, 6, prompt + 6)
+    assert (r.instructions, r.max_output_tokens, r.temperature, r.metadata) == ("Be brief.", 6, 0.0, {"run": "7"})
+
+
+def test_a_streamed_response_is_openais_event_sequence(client):
+    kw = dict(model="sparkchat", input=[{"role": "user", "content": "Hello! How are you today?"}],
+              max_output_tokens=8, temperature=0)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds == EVENTS[:4] + ["response.output_text.delta"] * len(deltas) + EVENTS[4:] + ["response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    whole = client.responses.create(**kw)
+    assert "".join(deltas) == events[-4].text == whole.output_text  # greedy: the same reply, in pieces
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output_text == whole.output_text
+    assert final.usage.output_tokens == 8 and final.usage.input_tokens == whole.usage.input_tokens
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events if hasattr(e, "item_id")) and final.output[0].id == item_id
+
+
+def test_a_reply_that_ends_completes(tool_client, conv_tool_chats):
+    question, reply = conv_tool_chats[2]  # "Hello!" -> "Hello! How can I help you?", learned by heart
+    r = tool_client.responses.create(model="sparkchat", input=question["content"])
+    assert r.status == "completed" and r.incomplete_details is None and r.output_text == reply["content"]
+    events = list(tool_client.responses.create(model="sparkchat", input=question["content"], stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == reply["content"]
+    assert events[-2].item.status == "completed"
+
+
+def test_the_conversation_goes_on_with_the_output_sent_back(client, serve_tokenizer):
+    first = client.responses.create(model="sparkchat", input="Hello!", max_output_tokens=4, temperature=0)
+    then = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello!"}, *first.output,
+            {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "you?"}]}]
+    r = client.responses.create(model="sparkchat", input=then, max_output_tokens=8, temperature=0)
+    as_chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"},
+               {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And you?"}]
+    assert r.usage.input_tokens == len(render(serve_tokenizer, as_chat, for_completion=True)[0])
+    assert r.output_text == greedy_chat(client, as_chat, 8)
+    # the developer message is the system prompt, not one more user turn
+    assert r.output_text != greedy_chat(client, [{**as_chat[0], "role": "user"}, *as_chat[1:]], 8)
+
+
+def test_the_sse_frames_name_their_event(client):
+    body = {"model": "sparkchat", "input": "Hi", "max_output_tokens": 3, "stream": True}
+    with httpx.stream("POST", str(client.base_url).rstrip("/") + "/responses", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in r.read().decode().split("\n\n") if f]
+    for frame in frames:  # OpenAI's framing: the event's name, then its JSON, which names it again
+        event, data = frame.split("\n")
+        assert event.startswith("event: ") and json.loads(data.removeprefix("data: "))["type"] == event[7:]
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"extra_body": {"foo": 1}}, "foo"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"role": "developer", "content": "Be brief."}]}, "input[1].role"),
+    ({"instructions": "Be brief.", "input": [{"role": "system", "content": "Be long."}]}, "input[0].role"),
+    ({"input": "The quick brown fox jumps over the lazy dog. " * 40}, "input"),
+])
+def test_400_names_the_field(client, kw, param):
+    kw = {"model": "sparkchat", "input": "Hi", **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw)
+    err = e.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], err
+
+
+class BrokenModel:
+    """The engine's model, failing at every decode step (the prompt's forward works: a failure there
+    loses the request in today's engine), so each request ends with the engine's 'error'."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids, *a, **kw):
+        if ids.shape[1] == 1:
+            raise RuntimeError("broken on purpose")
+        return self.model(ids, *a, **kw)
+
+
+def test_an_engine_failure_is_a_failed_response(serve_start, serve_model_dir):
+    def loader(metrics):
+        rt = Runtime.load(serve_model_dir, metrics, "cpu")
+        rt.engine.model = BrokenModel(rt.engine.model)
+        return rt
+
+    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.responses.create(model="sparkchat", input="Hi", max_output_tokens=4)
+    assert r.status == "failed" and r.error.code == "server_error" and r.incomplete_details is None
+    events = list(client.responses.create(model="sparkchat", input="Hi", max_output_tokens=4, stream=True))
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+
+
+def test_404_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="gpt-5", input="Hi")
+    assert e.value.response.json()["error"]["code"] == "model_not_found"
