@@ -126,22 +126,16 @@ def test_400_names_the_field(client, kw, param):
 
 
 class BrokenModel:
-    """The engine's model, failing at every decode step (the prompt's forward works: a failure there
-    loses the request in today's engine), so each request ends with the engine's 'error'."""
+    """The engine's model, failing at every forward: each request ends with the engine's 'error'."""
 
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, ids, *a, **kw):
-        if ids.shape[1] == 1:
-            raise RuntimeError("broken on purpose")
-        return self.model(ids, *a, **kw)
+    def __call__(self, *a, **kw):
+        raise RuntimeError("broken on purpose")
 
 
 def test_an_engine_failure_is_a_failed_response(serve_start, serve_model_dir):
     def loader(metrics):
         rt = Runtime.load(serve_model_dir, metrics, "cpu")
-        rt.engine.model = BrokenModel(rt.engine.model)
+        rt.engine.model = BrokenModel()
         return rt
 
     server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
