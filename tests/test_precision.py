@@ -314,6 +314,65 @@ def test_fp8_scaled_mm_matches_emulation():
     assert a.weight is lin.weight  # same Parameter: names and optimizer unaffected
 
 
+FP32_EPS = 2.0 ** -24  # fp32's unit roundoff
+
+
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2_scales", "exact_scales"])
+@pytest.mark.parametrize("fmt_a", [fm.E4M3, fm.E5M2])
+def test_fp8_cpu_gemm_is_scaled_mm_up_to_the_fp32_sums(fmt_a, pow2):
+    """fp8.scaled_mm on a CPU and torch._scaled_mm take the same FP8 operands and scales; each product is
+    exact in fp32 either way, so both must lie within the error bound of an fp32 sum of K terms
+    (K u sum|products|, u = 2^-24) plus the scale multiplies' roundings (2u |y|) of the exact result."""
+    from model.precision.fp8 import scaled_mm
+    torch.manual_seed(0)
+    M, K, N = 64, 256, 96  # the backward's operand layouts: a row-major, b column-major (a transposed copy)
+    a, sa = fm.quantize_fp8(torch.randn(M, K) * torch.logspace(-3, 3, K), fmt_a, pow2)
+    b, sb = fm.quantize_fp8(torch.randn(N, K), fm.E4M3, pow2)
+    got = scaled_mm(a, b.t(), sa.reciprocal(), sb.reciprocal(), torch.float32)
+    ref = torch._scaled_mm(a, b.t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=torch.float32)
+    scale = sa.reciprocal().double() * sb.reciprocal().double()
+    exact = a.double() @ b.double().t() * scale
+    bound = K * FP32_EPS * (a.double().abs() @ b.double().abs().t()) * scale + 2 * FP32_EPS * exact.abs()
+    assert ((got - exact).abs() <= bound).all() and ((ref - exact).abs() <= bound).all()
+    assert scaled_mm(a, b.t(), sa.reciprocal(), sb.reciprocal(), torch.bfloat16).dtype == torch.bfloat16
+    # its fake (what torch.compile traces) agrees with it; test_schema cannot perturb FP8 inputs (no mul)
+    torch.library.opcheck(torch.ops.sparkchat.dequantised_mm.default,
+                          (a, b.t(), sa.reciprocal(), sb.reciprocal(), torch.bfloat16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("entry", ["fp8", "fp8:pow2_scales=false", "fp8:scaling=delayed"])
+def test_fp8_cpu_training_loss_matches_scaled_mm(entry, monkeypatch):
+    """The probe's fp8 entries trained for 4 steps through fp8.scaled_mm and through torch._scaled_mm:
+    the same losses within 1e-4 relative. The GEMMs differ only in the order of their fp32 sums (test
+    above); that can move a value across an FP8 rounding boundary, and training amplifies it step by step
+    (on this CPU: identical losses with power-of-two scales, 1.1e-5 apart at step 4 with exact ones). 1e-4
+    is 100x below the 1% loss difference `auto` accepts a backend by (precision.auto.max_loss_diff_pct)."""
+    from model.precision import fp8
+    from model.precision.probe import build_under, markov_tokens, model_config
+    e = parse_entry(entry)
+    cfg = model_config(depth=1, seq_len=32, vocab=128, head_dim=32)
+    data = markov_tokens(16, 33, 128, seed=0, device=CPU)
+
+    def losses() -> list[float]:
+        _, model, opt = build_under(e.name, e.options, LayerFilter(16, ["lm_head"]), cfg, 0, CPU)
+        out = []
+        for step in range(4):
+            rows = data[4 * step:4 * step + 4]
+            loss = model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        return out
+
+    fast = losses()
+    monkeypatch.setattr(fp8, "scaled_mm", lambda a, b, scale_a, scale_b, out_dtype, use_fast_accum=False:
+                        torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                         use_fast_accum=use_fast_accum))
+    assert fast == pytest.approx(losses(), rel=1e-4)
+
+
 RUNNABLE = [n for n in BACKENDS if n not in ("te-fp8", "te-nvfp4", "auto")] + ["auto", "fp8:scaling=delayed"]
 
 

@@ -54,8 +54,12 @@ step's scale and casts again only when this step's differs (fp8_cast.cast_transp
 scaling, bit for bit, without the separate amax passes: faster than exact scales at the same loss
 (bench/results/precision.md, "fp8's cast kernel": the reason it is the default).
 
-On CPU, torch >= 2.13 runs `_scaled_mm` with float8 inputs, so this exact code path runs in tests;
-it brings no speedup there (the log says so). Backend name: `fp8`.
+On a CPU the GEMMs go through `scaled_mm` below: the same FP8 operands and scales, dequantised into
+one fp32 matmul. Every cast, scale and saved tensor is the GPU path's, so the tests and the probe run
+this code; only the order of the fp32 sums differs from `_scaled_mm` (tests/test_precision.py compares
+the losses). torch's own CPU `_scaled_mm` is exact too but has no FP8 arithmetic to use on most CPUs:
+one 512x256x1024 product took 2.2 s against about 1 ms in fp32, 70 s for one step of the probe's model.
+fp8 on a CPU is no faster than bf16 (the log says so). Backend name: `fp8`.
 """
 from __future__ import annotations
 
@@ -68,6 +72,33 @@ from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matm
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
 from .fp8_cast import activate, cast_transpose, cast_transpose_pow2, triton_available
 from .options import Fp8Options
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """(a @ b) * scale_a * scale_b of FP8 operands, in `out_dtype`: torch._scaled_mm on CUDA. Elsewhere the
+    operands are widened to fp32, which holds each FP8 value, and each product of two (at most 4 x 4
+    significant bits), exactly; an fp32 GEMM adds them up, in its own order (the one difference from
+    _scaled_mm, whose CPU kernel is ~2000x slower: see the module docstring). `use_fast_accum` is a
+    tensor-core setting; a CPU has none."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=use_fast_accum)
+    return torch.ops.sparkchat.dequantised_mm(a, b, scale_a, scale_b, out_dtype)
+
+
+# One op, opaque to torch.compile as _scaled_mm is. Traced as plain tensor code, compiled delayed scaling
+# gave other weight gradients than eager from its second step (test_fp8_delayed_scaling_under_torch_compile),
+# as if the input's scale were recomputed in the backward from the amax history the forward had advanced
+@torch.library.custom_op("sparkchat::dequantised_mm", mutates_args=())
+def _dequantised_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    return (torch.mm(a.float(), b.float()) * (scale_a * scale_b)).to(out_dtype)
+
+
+@_dequantised_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """Same values, column-major storage (what _scaled_mm wants for its second operand)."""
@@ -134,7 +165,7 @@ class _Fp8Matmul(torch.autograd.Function):
             xq, xs = _inline_cast(x2, E4M3, x_state, how, pow2)
             xqt = None
         wq, ws = quantize_fp8(w, E4M3, pow2)  # weights: always this step's amax (a small tensor, cheap)
-        y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        y = scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         # keep one FP8 copy of x for backward (a quarter of the bf16 activation memory): the transposed
         # one when the cast op made it, else the row-major one, transposed in backward
         ctx.save_for_backward(xqt if cast_kernel else xq, xs, wq, ws)
@@ -153,9 +184,9 @@ class _Fp8Matmul(torch.autograd.Function):
         else:
             gq, gs = _inline_cast(g2, E5M2, ctx.g_state, ctx.how, ctx.pow2)
             gqt, x_col = gq.t().contiguous(), _col_major(xsaved)
-        gx = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
+        gx = scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
-        gw = torch._scaled_mm(gqt, x_col, scale_a=gs, scale_b=xs, out_dtype=torch.float32,
+        gw = scaled_mm(gqt, x_col, scale_a=gs, scale_b=xs, out_dtype=torch.float32,
                               use_fast_accum=ctx.fast_bwd)
         return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), *[None] * 8
 
@@ -170,10 +201,10 @@ class _Fp8MLP(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
         xq, xqt, xs = _kernel_cast(x2, E4M3, x_state, how, pow2)
         w1q, w1s = quantize_fp8(w1, E4M3, pow2)
-        h = torch._scaled_mm(xq, w1q.t(), scale_a=xs, scale_b=w1s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        h = scaled_mm(xq, w1q.t(), scale_a=xs, scale_b=w1s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         aq, aqt, as_ = _kernel_cast(h, E4M3, a_state, how, pow2, "srelu")
         w2q, w2s = quantize_fp8(w2, E4M3, pow2)
-        y = torch._scaled_mm(aq, w2q.t(), scale_a=as_, scale_b=w2s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
+        y = scaled_mm(aq, w2q.t(), scale_a=as_, scale_b=w2s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         ctx.save_for_backward(xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s)
         ctx.fast_bwd, ctx.states, ctx.how, ctx.pow2 = fast_bwd, (h_state, g_state), how, pow2
         ctx.dtypes = (x.dtype, w1.dtype, w2.dtype)
@@ -186,15 +217,15 @@ class _Fp8MLP(torch.autograd.Function):
         xdt, w1dt, w2dt = ctx.dtypes
         g2 = gy.reshape(-1, gy.shape[-1])
         gq, gqt, gs = _kernel_cast(g2, E5M2, g_state, how, pow2)
-        ga = torch._scaled_mm(gq, _col_major(w2q), scale_a=gs, scale_b=w2s, out_dtype=h.dtype,
+        ga = scaled_mm(gq, _col_major(w2q), scale_a=gs, scale_b=w2s, out_dtype=h.dtype,
                               use_fast_accum=ctx.fast_bwd)
-        gw2 = torch._scaled_mm(gqt, aqt.t(), scale_a=gs, scale_b=as_, out_dtype=torch.float32,
+        gw2 = scaled_mm(gqt, aqt.t(), scale_a=gs, scale_b=as_, out_dtype=torch.float32,
                                use_fast_accum=ctx.fast_bwd)
         # dL/dh = dL/da * 2 relu(h), cast straight to e5m2 for the first GEMM's gradients
         hq, hqt, hs = _kernel_cast(ga, E5M2, h_state, how, pow2, "srelu_grad", h)
-        gx = torch._scaled_mm(hq, _col_major(w1q), scale_a=hs, scale_b=w1s, out_dtype=gy.dtype,
+        gx = scaled_mm(hq, _col_major(w1q), scale_a=hs, scale_b=w1s, out_dtype=gy.dtype,
                               use_fast_accum=ctx.fast_bwd)
-        gw1 = torch._scaled_mm(hqt, xqt.t(), scale_a=hs, scale_b=xs, out_dtype=torch.float32,
+        gw1 = scaled_mm(hqt, xqt.t(), scale_a=hs, scale_b=xs, out_dtype=torch.float32,
                                use_fast_accum=ctx.fast_bwd)
         return (gx.reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt), *[None] * 9)
 
@@ -289,7 +320,7 @@ class Fp8Backend(PrecisionBackend):
         if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
             return f"this torch ({torch.__version__}) has no float8 dtypes / torch._scaled_mm (needs torch >= 2.5)"
         if device.type == "cpu":
-            return None  # torch >= 2.13 runs _scaled_mm on CPU: real code path, no speedup
+            return None  # the casts as on a GPU, the products in fp32 (scaled_mm): no speedup
         if device.type != "cuda":
             return f"native FP8 runs on CUDA (sm_89+) or CPU, not on {device.type}"
         cap = base.cuda_capability(device)
@@ -302,7 +333,8 @@ class Fp8Backend(PrecisionBackend):
 
     def notes(self, device):
         if torch.device(device).type == "cpu":
-            return ["fp8 on CPU runs the real _scaled_mm path for correctness only: no speedup on CPU"]
+            return ["fp8 on CPU: the FP8 casts and scales of the GPU path, each product dequantised into an fp32 "
+                    "matmul (fp8.scaled_mm): the numerics of FP8 training, no speedup over bf16"]
         if self.options.cast == "kernel" and not triton_available():
             return ["fp8 cast: kernel without Triton installed runs the cast-transpose op in plain torch, "
                     "slower than cast: inline; install triton (CUDA builds of torch bring it)"]
