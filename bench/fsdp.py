@@ -121,7 +121,7 @@ def run_one(mode: str, backend_name: str, cfg, data: torch.Tensor, steps: int, b
     tail = losses[-min(10, len(losses)):]
     res = dict(mode=mode, backend=backend.label, steps=steps,
                compile=("regional" if regional else "whole") if compiled else "off", **speed,
-               micro_ms=micro["median"] * 1e3, step_s_all=[round(t, 6) for t in times],
+               micro_ms=micro["median"] * 1e3, step_s_all=times,
                peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None,
                # the warm-up steps' time beyond a timed step's
                compile_s=sum(times[:warmup]) - warmup * tokens / speed["tokens_per_s"]["median"],
