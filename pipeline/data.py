@@ -54,6 +54,13 @@ def read_shard_index(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """A parquet file to read in pieces. Without pre-buffering: with it (pyarrow's default here), a reader
+    of the whole file held a growing share of it in memory (bench/results/training-and-data.md,
+    "Peak memory per stage")."""
+    return pq.ParquetFile(path, pre_buffer=False)
+
+
 def pretrain_shard_files(folder: Path, split: str) -> list[str]:
     return [s["file"] for s in read_shard_index(folder)[split]["shards"]]
 
@@ -63,7 +70,7 @@ def iter_shard_batches(folder: Path, split: str, max_chars: int = BATCH_CHARS) -
     read at a time (pyarrow's iter_batches would join row groups up to its row count), then cut, so
     what the encoder holds at once stays small whatever the shard size."""
     for name in pretrain_shard_files(folder, split):
-        pf = pq.ParquetFile(folder / name)
+        pf = open_parquet(folder / name)
         for g in range(pf.num_row_groups):
             batch, n = [], 0
             for text in pf.read_row_group(g, columns=["text"]).column("text").to_pylist():

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import pyarrow.parquet as pq
+from .data import open_parquet
 
 READ_BLOCK = 1 << 20        # bytes of a .txt file decoded at a time
 MAX_JSON_LINE = 256 << 20   # one JSON Lines record larger than this is refused (it would be parsed whole)
@@ -97,7 +97,7 @@ def _jsonl_rows(path: Path) -> Iterator[dict]:
 
 
 def _parquet_rows(path: Path, columns: list[str] | None) -> Iterator[dict]:
-    pf = pq.ParquetFile(path)
+    pf = open_parquet(path)
     names = pf.schema_arrow.names
     missing = [c for c in columns or [] if c not in names]
     if missing:

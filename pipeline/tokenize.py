@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from model.chat import render
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
-from .data import INDEX, DataError, iter_shard_batches, read_shard_index, token_dtype
+from .data import INDEX, DataError, iter_shard_batches, open_parquet, read_shard_index, token_dtype
 from .metrics import write_json, write_reports
 
 
@@ -177,7 +176,7 @@ def tokenize_conversations(tok: SparkTokenizer, sources: dict[str, Path], out: P
         files = {"ids": TokenFile(out / f"{name}.ids.bin", dtype), "mask": TokenFile(out / f"{name}.mask.bin", np.uint8),
                  "offsets": TokenFile(out / f"{name}.offsets.bin", np.int64)}
         files["offsets"].write(np.zeros(1, np.int64))
-        pf = pq.ParquetFile(path)
+        pf = open_parquet(path)
         batches = (b.column("messages").to_pylist()
                    for b in pf.iter_batches(batch_size=CONVERSATIONS_PER_TASK, columns=["messages"]))
         docs = tokens = 0

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import pyarrow.parquet as pq
 
 from model.chat import content_text
 from model.tokenizer import SparkTokenizer
@@ -16,7 +15,7 @@ from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
 from .config import Params, load_params
-from .data import shard_texts
+from .data import open_parquet, shard_texts
 from .metrics import write_reports
 
 REPORT_DOCS = 2000  # validation documents the compression report encodes (a fixed sample, not all of them)
@@ -30,7 +29,7 @@ def training_text(data: Path, max_chars: int) -> Iterator[str]:
             break
         yield t[:budget_text]
         budget_text -= len(t)
-    for batch in pq.ParquetFile(data / paths.MID_TRAIN.name).iter_batches(columns=["messages"]):
+    for batch in open_parquet(data / paths.MID_TRAIN.name).iter_batches(columns=["messages"]):
         for m in batch.column("messages").to_pylist():
             if budget_chat <= 0:
                 return
