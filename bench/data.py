@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .corpus import parse_size, write_corpus
-from .stats import fmt, ratios, spread
+from .stats import fmt, own_peak_rss_mib, ratios, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("prepare", "tokenizer", "tokenize")
@@ -86,19 +86,6 @@ def child(stage: str, work: Path, vocab: int) -> dict:
         ids = open_tokens(tokens / "train", tok).ids
         return {"loader": [loader_rate(ids, b, t) for b, t in ((32, 2048), (32, 128))]}
     raise ValueError(f"unknown stage {stage!r}")
-
-
-def own_peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB since it started its program: Linux's VmHWM. (Not
-    getrusage's ru_maxrss: a child started by fork or vfork counts the parent's resident pages from
-    before its exec there, so a small stage run from a large parent would report the parent.)"""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource  # elsewhere: the best available, with the caveat above (bytes on macOS, KiB on Linux)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
 
 
 def run_child(args: list[str]) -> tuple[dict, float]:

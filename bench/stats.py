@@ -7,6 +7,8 @@ spread of those per-round ratios.
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 from typing import Iterable
 
 
@@ -37,3 +39,16 @@ def speedup(ref: list[float], other: list[float], digits: int = 4) -> dict:
     return {"median": round(statistics.median(ref) / statistics.median(other), digits),
             "min": round(min(ref) / max(other), digits), "max": round(max(ref) / min(other), digits),
             "n": min(len(ref), len(other))}
+
+
+def own_peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB since it started its program: Linux's VmHWM. (Not
+    getrusage's ru_maxrss: a child started by fork or vfork counts the parent's resident pages from
+    before its exec there, so a small stage run from a large parent would report the parent.)"""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource  # elsewhere: the best available, with the caveat above (bytes on macOS, KiB on Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)

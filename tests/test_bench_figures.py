@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import data, fsdp, probe_spread
-from bench.stats import ratios, speedup, spread
+from bench.stats import own_peak_rss_mib, ratios, speedup, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_a_speedup_of_unpaired_rounds_spans_every_pair():
 
 def own_peak(code: str) -> float:
     """Run `code` in a child of this (large: pytest, torch) process; the peak RSS the child reports."""
-    report = "from bench.data import own_peak_rss_mib; print(own_peak_rss_mib())"
+    report = "from bench.stats import own_peak_rss_mib; print(own_peak_rss_mib())"  # stdlib only: a small child
     out = subprocess.run([sys.executable, "-c", f"{code}\n{report}"], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     return float(out.stdout.split()[-1])
@@ -41,7 +41,7 @@ def test_a_stages_peak_memory_is_its_own():
     """A stage reports its own peak: 300 MiB touched shows, and a small process started from this large
     one does not report this one's memory (getrusage's ru_maxrss there counts the parent's pages)."""
     assert own_peak("b = bytearray(300 << 20); b[::4096] = bytes(len(b[::4096]))") >= 300
-    here = data.own_peak_rss_mib()
+    here = own_peak_rss_mib()
     assert here > 250, here  # the test's process holds torch: large enough that the next check tells
     assert own_peak("pass") < 150
 
