@@ -285,6 +285,13 @@ class Engine:
             self._cv.notify()
         return req
 
+    def submit_all(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Sink]]) -> list[Request]:
+        """Submit (prompt, params, sink) triples at once: the scheduler sees none of them before the last is
+        queued, so on an idle engine the batches they run in follow from the requests alone, not from
+        thread timing, and seeded requests give the same ids on every run (RL rollouts resume bit-exactly)."""
+        with self._cv:  # a Condition's lock is reentrant: each submit takes it again
+            return [self.submit(*r) for r in requests]
+
     def cancel(self, req: Request) -> None:
         """Stop a request: a waiting one leaves the queue now, an active one frees its row before the
         next decode step. No further events reach its sink except, possibly, Finished('cancelled')."""

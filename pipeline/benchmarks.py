@@ -178,13 +178,15 @@ def _rows(source: str, split: str):
     return datasets.load_dataset(kind, data_files=source, split="train", streaming=True)
 
 
-def load_benchmark(name: str, source: str, max_items: int, shots: int = 0, seed: int = 0) -> Benchmark:
+def load_benchmark(name: str, source: str, max_items: int, shots: int = 0, seed: int = 0,
+                   split: str | None = None) -> Benchmark:
     """A task's items from `source` (hub:<id>[:<config>] or a local file): all of them scored when there
-    are at most `max_items`, else a sample of `max_items` drawn with `seed`."""
+    are at most `max_items`, else a sample of `max_items` drawn with `seed`. `split`: the hub split read
+    instead of the task's evaluation split (the rl stage trains on GSM8K's train split)."""
     task = TASKS[name]
     pool = []
     try:
-        for n, row in enumerate(_rows(source, task.split)):
+        for n, row in enumerate(_rows(source, split or task.split)):
             missing = [f for f in task.fields if f not in row]
             if missing:
                 raise BenchmarkError(f"row {n} has no field '{missing[0]}' (the task reads {', '.join(task.fields)}; "

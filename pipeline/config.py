@@ -281,6 +281,86 @@ class EvaluateParams(Settings):
     """The field's benchmarks: each one's source and shots."""
 
 
+RLTask = Literal["letter_count", "largest", "spelling", "arithmetic", "word_problem", "gsm8k"]
+
+
+@dataclass
+class RLParams(Settings):
+    """The rl stage: on-policy reinforcement learning of the SFT model on verifiable tasks (docs/rl.md). Each
+    step samples `samples` replies to each of `prompts_per_step` prompts through the engine, rewards each with
+    the task's checker (pipeline/tasks.py, the evaluate stage's), and pushes up the log-probability of the
+    replies that did better than their group's mean."""
+    KEY: ClassVar[str] = "rl"
+    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "prompts_per_step": 1, "samples": 2, "max_new_tokens": 1,
+                                           "top_k": 0, "device_batch": 1, "weight_decay": 0, "grad_clip": 0,
+                                           "eval_items": 1, "eval_every": 0, "checkpoint_every": 1}
+    enabled: bool = True
+    """false: the stage copies the SFT model unchanged to the chat model's place (export and the server then
+    take SFT's model)."""
+    backend: StageBackend = ""
+    """Precision backend of the policy-gradient steps; empty = precision.backend."""
+    tasks: list[RLTask] = field(default_factory=lambda: ["letter_count", "largest", "spelling"])
+    """Tasks trained on, equally often: the synthetic ones (prompts generated with `seed`, never one of the held-out
+    items), and gsm8k (its `gsm8k_train` rows)."""
+    gsm8k_train: str = ""
+    """GSM8K's training items in the hub's schema (question, answer '... #### N'): hub:openai/gsm8k:main (its train
+    split) or a local .jsonl/.json/.parquet file; '' = none."""
+    gsm8k_test: str = ""
+    """GSM8K's held-out items for pass@1/pass@k (a hub source: its test split); '' = none."""
+    steps: int = 30
+    """Optimizer steps, each on a fresh batch of rollouts (on-policy)."""
+    prompts_per_step: int = 16
+    """Prompts per step over all ranks (split evenly over them: a multiple of the rank count)."""
+    samples: int = 8
+    """Replies sampled per prompt (the group whose mean reward is the baseline; k of pass@k)."""
+    max_new_tokens: int = 48
+    """Tokens a reply may take (calculator outputs included)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts and of pass@k."""
+    top_k: int = 0
+    """Sample from the k likeliest tokens; 0 = all."""
+    device_batch: int = 64
+    """Sequences per forward/backward micro-step on one device."""
+    std_advantage: bool = False
+    """Divide each advantage by its group's reward standard deviation (GRPO); false = reward - group mean only
+    (docs/rl.md says why)."""
+    matrix_lr: float = 0.002
+    """Learning rate of the matrices (Muon, or AdamW with use_muon false); falls linearly to 0 over the steps."""
+    embedding_lr: float = 0.02
+    """AdamW learning rate of the token embeddings."""
+    head_lr: float = 0.0004
+    """AdamW learning rate of the output head."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    use_muon: bool = True
+    """Muon for the matrices; false: AdamW for everything."""
+    grad_clip: float = 1.0
+    """Largest gradient norm (0 = no clipping)."""
+    eval_items: int = 200
+    """Held-out items per task for pass@1 (greedy) and pass@k (`samples` replies), before and after training."""
+    eval_every: int = 0
+    """Steps between extra held-out evaluations (0: before and after training only)."""
+    checkpoint_every: int = 5
+    """Steps between checkpoints (a killed stage resumes from the last one)."""
+    seed: int = 42
+    """Seed of the training prompts, of every rollout's sampling (per request) and of torch's generator."""
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        if not self.tasks or len(set(self.tasks)) != len(self.tasks):
+            raise ConfigError(f"{key}.tasks must name at least one task, each once; got {self.tasks}")
+        if "gsm8k" in self.tasks and not self.gsm8k_train:
+            raise ConfigError(f"{key}.tasks has gsm8k but {key}.gsm8k_train is empty (e.g. hub:openai/gsm8k:main)")
+        check_benchmark_source(self.gsm8k_train, f"{key}.gsm8k_train")
+        check_benchmark_source(self.gsm8k_test, f"{key}.gsm8k_test")
+        if not 0.0 < self.temperature <= 10.0:
+            raise ConfigError(f"{key}.temperature must be in (0, 10] (sampling: 0 would give every reply of a group "
+                              f"the same tokens), got {self.temperature}")
+        for name in ("matrix_lr", "embedding_lr", "head_lr"):
+            if not 0.0 < getattr(self, name) < 10.0:
+                raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
+
+
 def check_benchmark_source(source: str, key: str) -> None:
     """'' | hub:<id>[:<config>] | an existing local file of a type `datasets` reads here."""
     if not source:
@@ -371,6 +451,7 @@ class Params(Settings):
     pretrain: TrainParams = field(default_factory=TrainParams)
     midtrain: TrainParams = field(default_factory=_default_mid)
     sft: TrainParams = field(default_factory=_default_sft)
+    rl: RLParams = field(default_factory=RLParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     probe: ProbeOptions = field(default_factory=ProbeOptions)
     """`sparkchat probe` and bench/dvc.yaml's probe stage (model/precision/options.py ProbeOptions)."""
@@ -432,6 +513,7 @@ STAGE_SECTIONS = {
     "pretrain": ("model", "precision", "runtime", "pretrain"),
     "midtrain": ("precision", "runtime", "midtrain"),
     "sft": ("precision", "runtime", "sft"),
+    "rl": ("precision", "runtime", "rl"),
     "evaluate": ("runtime", "evaluate"),
 }
 

@@ -36,23 +36,14 @@ from model.scoring import score_continuations
 
 from sparkchat import paths
 
-from .benchmarks import (CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, final_answer,
-                         load_benchmark, same_number)
+from .benchmarks import CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, load_benchmark
 from .config import Params, load_params, resolve_source
 from .data import TokenStream, open_tokens
 from .metrics import atomic_write_text, write_json
 from .runtime import resolve_device
+from .tasks import GENERATIVE, MULTIPLE_CHOICE, is_correct, reply_text
 
 CHAT_MODELS = ("sft",)  # scored on the benchmarks by generation; the others by log-likelihood
-GENERATIVE = ("arithmetic", "word_problem", "letter_count", "spelling")
-MULTIPLE_CHOICE = ("largest",)
-
-
-def is_correct(task: str, reply: str, gold: str) -> bool:
-    if task == "spelling":
-        return reply.strip().rstrip(".").lower() == gold.lower()
-    return final_answer(reply) == gold
-
 
 def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, desc: str) -> list[str]:
     """Submit every prompt at once; the engine batches them. Returns the replies as text (the part
@@ -69,12 +60,7 @@ def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, de
         engine.submit(ids, params, sink)
     for _ in tqdm(prompts, desc=desc, file=sys.stderr, mininterval=2.0, leave=False):
         done.acquire()
-    end = tok.special["<|output_end|>"]
-    replies = []
-    for ids in out:
-        tail = ids[len(ids) - ids[::-1].index(end):] if end in ids else ids
-        replies.append(tok.decode([t for t in tail if t not in tok.special.values()]))
-    return replies
+    return [reply_text(tok, ids) for ids in out]
 
 
 @torch.no_grad()
@@ -154,7 +140,7 @@ def chat_accuracy(engine: Engine, tok, bench: Benchmark, max_new: int, desc: str
         if bench.task.kind == "choice":
             correct += chosen_letter(reply, len(item.choices)) == item.answer
         else:
-            correct += same_number(final_answer(reply), item.answer)
+            correct += is_correct("gsm8k", reply, item.answer)
     return correct / len(bench.scored)
 
 

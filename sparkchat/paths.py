@@ -38,13 +38,14 @@ MID_TRAIN_TOKENS = CHAT_TOKENS / "mid_train"
 SFT_TRAIN_TOKENS = CHAT_TOKENS / "sft_train"
 CHAT_VAL_TOKENS = CHAT_TOKENS / "chat_val"
 
-TRAIN_STAGES = ("pretrain", "midtrain", "sft")
-# the model directory each training stage writes; sft's is the chat model everything serves
+TRAIN_STAGES = ("pretrain", "midtrain", "sft")  # the stages pipeline/train.py runs on token files
+# the model directory each training stage writes. The last, rl's, is the chat model everything serves and exports
+# (with `rl.enabled: false`, SFT's model copied unchanged)
 MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACTS / "midtrain" / "model",
-              "sft": ARTIFACTS / "model"}
-CHAT_MODEL = MODEL_DIRS["sft"]
+              "sft": ARTIFACTS / "sft" / "model", "rl": ARTIFACTS / "model"}
+CHAT_MODEL = MODEL_DIRS["rl"]
 # the models the evaluate stage scores, by their name in its metrics file (metrics_file("evaluate"))
-EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": CHAT_MODEL}
+EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": MODEL_DIRS["sft"]}
 
 # the chat model as a Hugging Face transformers NanoChat directory, with a model card (stage `export`)
 HF_EXPORT = ARTIFACTS / "hf"
@@ -89,5 +90,9 @@ def timings_file(stage: str) -> Path:
 
 
 def plot_file(stage: str) -> Path:
-    """A training stage's loss curve, or evaluate's scores per task."""
-    return REPORTS / stage / ("scores.tsv" if stage == "evaluate" else "loss.tsv")
+    """A training stage's loss curve, rl's reward curve, or evaluate's scores per task."""
+    return REPORTS / stage / {"evaluate": "scores.tsv", "rl": "reward.tsv"}.get(stage, "loss.tsv")
+
+
+# rl's pass@1 and pass@k on held-out items of each task it trains on, before, during and after training (a plot)
+RL_HELDOUT = REPORTS / "rl" / "heldout.tsv"

@@ -162,7 +162,7 @@ def test_params_yaml_choice_comments_match_the_code():
             listed = tuple(part.split()[0] for part in comment.split(" | "))
             assert listed == allowed.get(key), f"params.yaml {key}: comment lists {listed}, code allows {allowed.get(key)}"
             seen.add(key)
-    stage_backends = {f"{s}.backend" for s in ("pretrain", "midtrain", "sft")}
+    stage_backends = {f"{s}.backend" for s in ("pretrain", "midtrain", "sft", "rl")}
     assert seen == set(allowed) - stage_backends, f"keys without a choices comment: {set(allowed) - stage_backends - seen}"
 
 

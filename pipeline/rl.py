@@ -1,0 +1,332 @@
+"""Stage `rl`: on-policy reinforcement learning of the SFT model on verifiable tasks; writes the chat model.
+
+nanochat's recipe, made small (docs/rl.md has the choices and the measurements behind them): each step
+takes `rl.prompts_per_step` fresh prompts of the tasks in `rl.tasks`, samples `rl.samples` replies to each
+through the project's engine (batched, a seed per request, the calculator in the loop), rewards each reply
+1 or 0 with the evaluate stage's checker (pipeline/tasks.py), and takes one optimizer step on
+
+    loss = - sum_replies sum_sampled ids (reward - group mean) x log p(id) / (sampled ids in the step)
+
+(pipeline/rollouts.py): on-policy (one step per batch of rollouts, so no importance ratio, no PPO clip), no
+KL term, no reference model. Held-out pass@1 (greedy) and pass@k (k sampled replies) of every task trained
+on are measured before and after (and every `rl.eval_every` steps).
+
+Runs as the training stages do (pipeline/train.py): under the precision backend (the policy-gradient steps),
+on several ranks under DDP or FSDP (each rank rolls out its share of the prompts; under FSDP from a whole
+copy of the weights gathered each step), with checkpoints that resume bit-exactly: a step's prompts and
+every request's sampling seed follow from (rl.seed, step), and the rollouts' batches from the requests.
+With `rl.enabled: false` the SFT model is copied unchanged to where the chat model goes.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from model.chat_engine import chat_engine
+from model.model_dir import CHECKSUMS, ModelDirError, NoRoomError, build_model, load_model_dir, portable_state_dict, \
+    save_model_dir, verify_model_dir
+from model.optim import build_optimizer
+from model.parallel import all_gather, ddp, fsdp, full_state_dict
+from sparkchat import paths
+
+from .benchmarks import BenchmarkError
+from .checkpoint import LAST_DIR, fingerprint, load_checkpoint, load_sharded, remove_checkpoints, save_checkpoint, \
+    save_sharded, set_rng_state
+from .config import ConfigError, Params, load_params, resolve_source
+from .data import DataError
+from .metrics import TSVLog, write_reports
+from .rollouts import PromptSource, advantages, heldout, loss_batch, pass_at, policy_loss, rollouts
+from .runtime import LaunchError, launch, log
+from .train import CHECKPOINT_NOTE, check_shared_folder, stage_backend, start
+
+STAGE = "rl"
+INIT = paths.MODEL_DIRS["sft"]
+OUT = paths.MODEL_DIRS["rl"]
+
+
+@dataclass
+class RLRun:
+    p: Params
+    backend: object
+    device: torch.device
+    rank: int
+    world: int
+    tok: object
+    gen: dict
+    model: torch.nn.Module  # the policy: plain, or under FSDP its sharded form
+    optimizer: object
+    source: PromptSource
+    heldout: dict[str, list]
+    fp: str = ""
+    history: dict = field(default_factory=dict)
+
+    @property
+    def r(self):
+        return self.p.rl
+
+    @property
+    def sharded(self) -> bool:
+        return self.p.runtime.parallel == "fsdp"
+
+    @property
+    def ckpt_path(self) -> Path:
+        return paths.checkpoint_dir(STAGE) / "last.pt"
+
+
+def build(p: Params, backend, device, rank: int, world: int) -> RLRun:
+    r = p.rl
+    if r.prompts_per_step % world:
+        raise LaunchError(f"rl.prompts_per_step={r.prompts_per_step} must be a multiple of the {world} ranks "
+                          f"(each rolls out the same share)")
+    if p.runtime.threads:
+        torch.set_num_threads(p.runtime.threads)
+    torch.manual_seed(r.seed + rank)
+    ckpt_dir = paths.checkpoint_dir(STAGE)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (ckpt_dir / "README.txt").write_text(CHECKPOINT_NOTE)
+    if world > 1:
+        check_shared_folder(ckpt_dir, rank)
+    model, tok, gen = load_model_dir(INIT, device=device)
+    model = backend.convert(model.train())
+    log(backend.describe(device))
+    if p.runtime.parallel == "fsdp":
+        model = fsdp(model, backend.compute_dtype(device))
+    optimizer = build_optimizer(model, r.matrix_lr, r.embedding_lr, r.head_lr, r.weight_decay, use_muon=r.use_muon)
+    held = {t: heldout(t, r.eval_items, r) for t in r.tasks}
+    return RLRun(p, backend, device, rank, world, tok, gen, model, optimizer, PromptSource(tok, r), held)
+
+
+def resume(run: RLRun) -> int:
+    """Loads the stage's checkpoint when one matches this configuration and these inputs; returns the step to
+    start from (its history, the plot rows and the scores before training, goes into `run.history`)."""
+    p = run.p
+    inputs = [INIT / CHECKSUMS if (INIT / CHECKSUMS).is_file() else INIT / "model.safetensors", paths.EVAL_ITEMS]
+    inputs += [Path(resolve_source(s)) for s in (run.r.gsm8k_train, run.r.gsm8k_test) if s and not s.startswith("hub:")]
+    run.fp = fingerprint({"stage": STAGE, "rl": asdict(run.r), "precision": asdict(p.precision),
+                          "backend": run.backend.name, "parallel": p.runtime.parallel}, inputs)
+    if run.sharded:
+        state, msg = load_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, run.fp)
+    else:
+        state, msg = load_checkpoint(run.ckpt_path, run.fp)
+        if state is not None:
+            run.model.load_state_dict(state["model"], strict=False)
+            run.optimizer.load_state_dict(state["optimizer"])
+    log(f"{STAGE}: {msg}")
+    if state is None:
+        return 0
+    set_rng_state(state["rng"])
+    run.history = state["extra"]
+    return state["step"]
+
+
+def rollout_policy(run: RLRun) -> torch.nn.Module:
+    """The model the engine samples from: the policy itself, or under FSDP a whole copy of its weights on every
+    rank (the engine's decode steps differ in number between ranks, so they cannot run the sharded model's
+    collectives)."""
+    if not run.sharded:
+        return run.model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))  # on every rank
+    return build_model(run.model.config, portable_state_dict(run.model, sd), run.device, torch.float32)
+
+
+def engine_for(run: RLRun, policy, n_requests: int):
+    # no CUDA graphs: they compile the policy's blocks in place, which the training steps then run through
+    return chat_engine(policy, run.tok, run.gen, max_batch=min(256, n_requests), max_queue=n_requests + 1,
+                       cuda_graphs=False)
+
+
+def evaluate_heldout(run: RLRun, step: int) -> dict[str, dict[str, float]]:
+    """pass@1 (greedy) and pass@k (k = rl.samples) of each task's held-out items; the items split over the ranks."""
+    policy = rollout_policy(run)
+    scores = {}
+    for task, items in run.heldout.items():
+        if not items:
+            continue
+        mine = items[run.rank::run.world]
+        engine = engine_for(run, policy, len(mine) * (run.r.samples + 1))
+        try:
+            greedy, right = pass_at(engine, run.tok, task, mine, run.r.samples, run.r)
+        finally:
+            engine.shutdown()
+        parts = all_gather((sum(greedy), sum(c > 0 for c in right), len(mine)))
+        n = sum(x[2] for x in parts)
+        scores[task] = {"pass1": round(sum(x[0] for x in parts) / n, 4), "passk": round(sum(x[1] for x in parts) / n, 4)}
+    log(f"{STAGE}: held-out at step {step}: " + ", ".join(f"{t} pass@1 {s['pass1']:.3f} pass@{run.r.samples} "
+                                                          f"{s['passk']:.3f}" for t, s in scores.items()))
+    return scores
+
+
+def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float]:
+    """One step: this rank's share of the prompts rolled out and rewarded, the policy-gradient loss over every
+    rank's sampled ids, one optimizer update. Returns (mean reward, mean reply length) over all ranks."""
+    r, world = run.r, run.world
+    prompts = run.source.step(step, r.prompts_per_step)
+    share = len(prompts) // world
+    policy = rollout_policy(run)
+    engine = engine_for(run, policy, share * r.samples)
+    try:
+        rolls = rollouts(engine, run.tok, prompts[run.rank * share:(run.rank + 1) * share], r, step, run.rank * share)
+    finally:
+        engine.shutdown()
+    del policy
+    rewards = torch.tensor([x.reward for x in rolls])
+    adv = advantages(rewards, r.samples, r.std_advantage)
+    totals = torch.tensor([float(sum(sum(x.mask) for x in rolls)), float(rewards.sum()),
+                           float(sum(x.reply_tokens for x in rolls))], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(totals)
+    n_tokens = max(1.0, float(totals[0]))
+    chunks = range(0, len(rolls), r.device_batch)
+    for i, lo in enumerate(chunks):
+        x, y, a = loss_batch(rolls[lo:lo + r.device_batch], adv[lo:lo + r.device_batch], run.device)
+        last = i == len(chunks) - 1
+        sync = model.no_sync() if world > 1 and not run.sharded and not last else contextlib.nullcontext()
+        with sync, autocast:
+            # DDP and FSDP average the ranks' gradients: x world makes it the sum over every rank's ids / n_tokens
+            loss = policy_loss(model, x, y, a, n_tokens) * world
+        loss.backward()
+    if world > 1:
+        run.backend.sync_ranks(run.model)
+    if r.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), r.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    n_rolls = r.prompts_per_step * r.samples
+    return float(totals[1]) / n_rolls, float(totals[2]) / n_rolls
+
+
+def heldout_row(step: int, scores: dict) -> dict:
+    return {"step": step, **{f"{t}_{k}": v for t, s in scores.items() for k, v in s.items()}}
+
+
+def loop(run: RLRun, start_step: int) -> float:
+    """From `start_step` to the end: the steps, a progress bar (reward, ETA), the plot rows, held-out
+    evaluations and checkpoints. Returns the seconds the steps took."""
+    r, h = run.r, run.history
+    model = ddp(run.model, run.device) if run.world > 1 and not run.sharded else run.model
+    autocast = run.backend.autocast(run.device)
+    columns = ["step"] + [f"{t}_{k}" for t, items in run.heldout.items() if items for k in ("pass1", "passk")]
+    plot = TSVLog(paths.plot_file(STAGE), ["step", "reward", "reply_tokens", "lr"], h.setdefault("log_rows", [])) \
+        if run.rank == 0 else None
+    held = TSVLog(paths.RL_HELDOUT, columns, h.setdefault("heldout_rows", [])) if run.rank == 0 else None
+    if "before" not in h:
+        h["before"] = evaluate_heldout(run, 0)
+        if held:
+            held.log(**heldout_row(0, h["before"]))
+    bar = tqdm(total=r.steps, initial=start_step, desc=STAGE, unit="step", disable=run.rank != 0, file=sys.stderr,
+               mininterval=1.0, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for step in range(start_step, r.steps):
+        mult = 1.0 - step / r.steps  # linear to 0 (nanochat's RL schedule)
+        run.optimizer.set_lr_multiplier(mult)
+        reward, length = rl_step(run, model, step, autocast)
+        done = step + 1
+        h.setdefault("rewards", []).append(reward)
+        if plot:
+            plot.log(step=done, reward=reward, reply_tokens=length, lr=mult)
+        bar.set_postfix(reward=f"{reward:.3f}", tokens=f"{length:.1f}")
+        if r.eval_every and done % r.eval_every == 0 and done < r.steps:
+            scores = evaluate_heldout(run, done)
+            if held:
+                held.log(**heldout_row(done, scores))
+        if done % r.checkpoint_every == 0 and done < r.steps:
+            save(run, done)
+        bar.update(1)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    h["after"] = evaluate_heldout(run, r.steps)
+    if held:
+        held.log(**heldout_row(r.steps, h["after"]))
+    return seconds
+
+
+def save(run: RLRun, done: int) -> None:
+    if run.sharded:
+        save_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, done, {}, run.fp,
+                     run.history)
+    elif run.rank == 0:
+        save_checkpoint(run.ckpt_path, run.model, run.optimizer, done, {}, run.fp, run.history)
+
+
+def mean_over_tasks(scores: dict, key: str) -> float:
+    return round(sum(s[key] for s in scores.values()) / max(1, len(scores)), 4)
+
+
+def finish(run: RLRun, seconds: float, steps_run: int) -> dict:
+    """The chat model directory (SFT's generation defaults kept), the reports, and the checkpoints removed."""
+    r, h = run.r, run.history
+    last = h.get("rewards", [])[-5:]
+    headline = {"reward": round(sum(last) / max(1, len(last)), 4), "pass1": mean_over_tasks(h["after"], "pass1"),
+                "passk": mean_over_tasks(h["after"], "passk")}
+    details = {"enabled": True, "steps": r.steps, "tasks": list(r.tasks), "k": r.samples,
+               "heldout_items": {t: len(v) for t, v in run.heldout.items()}, "before": h["before"],
+               "after": h["after"], "rollouts": r.steps * r.prompts_per_step * r.samples,
+               "backend": run.backend.name, "backend_label": run.backend.label, "device": str(run.device),
+               "params": run.model.num_params()}
+    timings = {"seconds": round(seconds, 1),
+               "rollouts_per_s": round(steps_run * r.prompts_per_step * r.samples / seconds, 1) if seconds else None}
+    weights = full_state_dict(run.model) if run.sharded else None
+    if run.rank == 0:
+        save_model_dir(OUT, run.model, run.tok, generation=run.gen, extra={"stage": STAGE, **headline, **details},
+                       state_dict=weights)
+        write_reports(STAGE, headline, details, timings)
+        remove_checkpoints(run.ckpt_path)
+        log(f"{STAGE}: done: reward {headline['reward']}, held-out pass@1 {headline['pass1']} (before "
+            f"{mean_over_tasks(h['before'], 'pass1')}), pass@{r.samples} {headline['passk']}; model in {OUT}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {**headline, **details, **timings}
+
+
+def copy_sft() -> dict:
+    """rl.enabled false: SFT's model, verified, becomes the chat model; the reports say the stage was off."""
+    verify_model_dir(INIT)
+    shutil.rmtree(OUT, ignore_errors=True)
+    shutil.copytree(INIT, OUT)
+    write_reports(STAGE, {}, {"enabled": False}, {})
+    TSVLog(paths.plot_file(STAGE), ["step", "reward", "reply_tokens", "lr"])
+    TSVLog(paths.RL_HELDOUT, ["step"])
+    log(f"{STAGE}: rl.enabled is false: {INIT} copied unchanged to {OUT}")
+    return {"enabled": False}
+
+
+def train_rl(p: Params) -> dict:
+    _, p, backend, device, rank, world = start(STAGE, p)
+    run = build(p, backend, device, rank, world)
+    start_step = resume(run)
+    r = run.r
+    log(f"{STAGE}: {run.model.num_params():,} params, {r.steps} steps x {r.prompts_per_step} prompts x {r.samples} "
+        f"samples ({', '.join(r.tasks)}) on {device}{', FSDP' if run.sharded else ', DDP' if world > 1 else ''}"
+        f" x {world} rank(s)")
+    seconds = loop(run, start_step)
+    return finish(run, seconds, r.steps - start_step)
+
+
+def main() -> None:
+    from model.precision import BackendUnavailable
+    try:
+        p = load_params(stage=STAGE)
+        if not p.rl.enabled:
+            copy_sft()
+            return
+        stage_backend(STAGE, p)
+        launch(p.runtime, f"pipeline.{STAGE}", lambda: train_rl(p))
+    except (ConfigError, BackendUnavailable, ModelDirError, DataError, BenchmarkError, LaunchError) as e:
+        raise SystemExit(f"{STAGE}: {e}") from None
+    except NoRoomError as e:
+        raise SystemExit(f"{STAGE}: {e}. Free some space and run it again: it resumes from its last complete "
+                         f"checkpoint") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The rl stage's parts (pipeline/rollouts.py, pipeline/tasks.py, RLParams): advantages, the loss and what it
+masks (the prompt and the calculator's outputs), rewards from the evaluate stage's own checker, the training
+prompts (never a held-out item; the same on every run), and params refused before any work."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline.config import ConfigError, RLParams, params_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_advantage_is_reward_minus_group_mean():
+    from pipeline.rollouts import advantages
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = advantages(rewards, 4, divide_by_std=False)
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0])
+    scaled = advantages(rewards, 4, divide_by_std=True)
+    assert scaled[:4].tolist() == pytest.approx((adv[:4] / rewards[:4].std()).tolist(), rel=1e-3)
+    assert scaled[4:].tolist() == [0.0] * 4  # a group that agrees says nothing, with or without the std
+
+
+def test_rewards_are_the_evaluate_stage_checker():
+    import pipeline.evaluate as evaluate
+    import pipeline.rollouts as rollouts
+    from pipeline.tasks import is_correct
+    assert evaluate.is_correct is is_correct and rollouts.is_correct is is_correct
+    assert is_correct("letter_count", "The letter 'r' appears 3 times in 'strawberry'.", "3")
+    assert not is_correct("letter_count", "The letter 'r' appears 2 times in 'strawberry'.", "3")
+    assert is_correct("spelling", "h-o-u-s-e.", "h-o-u-s-e") and not is_correct("spelling", "h-o-u-s", "h-o-u-s-e")
+    assert is_correct("largest", "C", "C") and not is_correct("largest", "A chair", "A")
+    assert is_correct("gsm8k", "So 7.50 dollars.\n#### 7.5", "7.5")
+    with pytest.raises(ValueError, match="no checker for task 'chess'"):
+        is_correct("chess", "e4", "e4")
+
+
+def test_rollouts_mask_the_prompt_and_the_calculator_output(conv_tool_model_dir, serve_model):
+    """A tiny model that learned to call the calculator: its rollout trains the ids it sampled (the call,
+    the answer, the stop id) and none of the ids the calculator fed or the prompt; the loss is exactly
+    -advantage x log p summed over those ids / their count."""
+    from model.chat_engine import chat_engine
+    from model.model_dir import load_model_dir
+    from pipeline.rollouts import Prompt, advantages, chat_prompt, loss_batch, policy_loss, rollouts
+
+    model, tok, gen = load_model_dir(conv_tool_model_dir)
+    s = tok.special
+    r = RLParams(tasks=["arithmetic"], samples=2, temperature=0.05, max_new_tokens=40)
+    prompt = Prompt("arithmetic", chat_prompt(tok, "What is 37 + 58?"), "95")
+    engine = chat_engine(model, tok, gen, max_batch=4)
+    try:
+        rolls = rollouts(engine, tok, [prompt], r, step=0, first=0)
+    finally:
+        engine.shutdown()
+    assert [x.reward for x in rolls] == [1.0, 1.0]
+    roll = rolls[0]
+    n = len(prompt.ids)
+    reply, mask = roll.ids[n:], roll.mask[n:]
+    assert roll.mask[:n] == [0] * n
+    out_start, out_end = reply.index(s["<|output_start|>"]), reply.index(s["<|output_end|>"])
+    assert reply[out_start + 1:out_end] == tok.encode("95")  # the calculator's result, fed by the engine
+    assert mask[out_start:out_end + 1] == [0] * (out_end + 1 - out_start)
+    assert mask[:out_start] == [1] * out_start and reply[0] == s["<|python_start|>"]  # the call: sampled
+    assert reply[-1] == s["<|assistant_end|>"] and mask[-1] == 1  # the stop id the policy chose: trained
+    assert all(m == 1 for m in mask[out_end + 1:])
+
+    adv = torch.tensor([0.75, -0.25])
+    x, y, a = loss_batch(rolls, adv, "cpu")
+    kept = [torch.tensor(x.mask[1:]).bool() for x in rolls]
+    for b, k in enumerate(kept):
+        assert (y[b, :len(k)] != -1).tolist() == k.tolist() and (y[b, len(k):] == -1).all()
+    policy = serve_model  # a random model of the same vocabulary: its log-probabilities are far from 0
+    n_tokens = sum(int(k.sum()) for k in kept)
+    with torch.no_grad():
+        loss = policy_loss(policy, x, y, a, n_tokens)
+        logp = torch.log_softmax(policy(x), dim=-1)
+    want = sum(-adv[b] * logp[b, t, y[b, t]] for b in range(2) for t in range(y.shape[1]) if y[b, t] != -1) / n_tokens
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    assert advantages(torch.tensor([1.0, 1.0]), 2, False).tolist() == [0.0, 0.0]  # both right: no push either way
+
+
+def test_training_prompts_are_never_held_out_and_the_same_every_run(tmp_path, monkeypatch, serve_tokenizer):
+    from pipeline.rollouts import PromptSource
+    from pipeline.synthetic import generate_eval, normalize_prompt
+    from sparkchat import paths
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / paths.EVAL_ITEMS).mkdir(parents=True)
+    held = generate_eval(200, seed=1337)
+    for task, items in held.items():
+        (tmp_path / paths.EVAL_ITEMS / f"{task}.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
+    r = RLParams(tasks=["spelling", "largest"])
+    a, b = PromptSource(serve_tokenizer, r), PromptSource(serve_tokenizer, r)
+    held_out = {normalize_prompt(it["prompt"]) for items in held.values() for it in items}
+    tasks = []
+    for step in range(20):
+        prompts = a.step(step, 16)
+        assert prompts == b.step(step, 16)
+        tasks += [p.task for p in prompts]
+        texts = [serve_tokenizer.decode(p.ids) for p in prompts]
+        assert not any(normalize_prompt(h) in normalize_prompt(t) for t in texts for h in held_out
+                       if h.startswith("spell")), "a held-out spelling prompt was drawn"
+    assert tasks.count("spelling") == tasks.count("largest")
+    assert a.step(3, 16) != a.step(4, 16)
+
+
+def base() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize("edit, key", [
+    ({"samples": 1}, "rl.samples must be >= 2"),
+    ({"temperature": 0.0}, "rl.temperature must be in (0, 10]"),
+    ({"tasks": []}, "rl.tasks must name at least one task"),
+    ({"tasks": ["spelling", "spelling"]}, "rl.tasks must name at least one task, each once"),
+    ({"tasks": ["chess"]}, "rl.tasks[0] must be one of letter_count"),
+    ({"tasks": ["gsm8k"]}, "rl.gsm8k_train is empty"),
+    ({"gsm8k_train": "nowhere.jsonl"}, "rl.gsm8k_train='nowhere.jsonl': no such file"),
+    ({"matrix_lr": 0.0}, "rl.matrix_lr must be in (0, 10)"),
+    ({"enabled": "yes"}, "rl.enabled must be true or false"),
+    ({"backend": "fp16"}, 'rl.backend must be one of "", bf16'),
+    ({"kl": 0.1}, "unknown key 'rl.kl'"),
+])
+def test_bad_rl_params_name_the_key(edit, key):
+    d = base()
+    d["rl"].update(edit)
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(d, ROOT / "profiles")
+    assert key in str(e.value)
+
+
+def test_gsm8k_fixture_loads_in_the_hub_schema():
+    """The GPU profiles train on GSM8K; the default run does not, so the fixture keeps that path tested."""
+    from pipeline.rollouts import heldout
+    r = RLParams(tasks=["gsm8k"], gsm8k_train="tests/fixtures/evals/gsm8k_train.jsonl",
+                 gsm8k_test="tests/fixtures/evals/gsm8k.jsonl", eval_items=4)
+    items = heldout("gsm8k", 4, r)
+    assert len(items) == 4 and all(a.lstrip("-").replace(".", "").isdigit() for _, a in items)
+    # the GPU profiles that read the hub's GSM8K in evaluate train on its train split
+    profiles = [yaml.safe_load(p.read_text()) for p in (ROOT / "profiles").glob("*.yaml")]
+    hub = [p for p in profiles if p.get("evaluate", {}).get("benchmarks", {}).get("gsm8k", {}).get("source", "")
+           .startswith("hub:")]
+    assert hub and all("gsm8k" in p["rl"]["tasks"] and p["rl"]["gsm8k_train"].startswith("hub:openai/gsm8k")
+                       for p in hub)
+
+
+def test_bad_rl_params_fail_before_any_work(tmp_path):
+    d = base()
+    d["rl"]["samples"] = 1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
+    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
+    r = subprocess.run([sys.executable, "-m", "pipeline.rl"], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "rl.samples must be >= 2" in r.stderr
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_defaults_equal_params_yaml():
+    assert replace(RLParams()) == RLParams.from_dict(base()["rl"])
