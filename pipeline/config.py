@@ -293,7 +293,7 @@ class RLParams(Settings):
     KEY: ClassVar[str] = "rl"
     MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "prompts_per_step": 1, "samples": 2, "max_new_tokens": 1,
                                            "top_k": 0, "device_batch": 1, "weight_decay": 0, "grad_clip": 0,
-                                           "eval_items": 1, "eval_every": 0, "checkpoint_every": 1}
+                                           "eval_items": 1, "passk_items": 0, "eval_every": 0, "checkpoint_every": 1}
     enabled: bool = True
     """false: the stage copies the SFT model unchanged to the chat model's place (export and the server then
     take SFT's model)."""
@@ -337,7 +337,10 @@ class RLParams(Settings):
     grad_clip: float = 1.0
     """Largest gradient norm (0 = no clipping)."""
     eval_items: int = 200
-    """Held-out items per task for pass@1 (greedy) and pass@k (`samples` replies), before and after training."""
+    """Held-out items per task for pass@1 (the greedy reply, as the evaluate stage scores), before and after
+    training."""
+    passk_items: int = 50
+    """Of those, the first ones pass@k is measured on (k = `samples` sampled replies each: k times the cost)."""
     eval_every: int = 0
     """Steps between extra held-out evaluations (0: before and after training only)."""
     checkpoint_every: int = 5

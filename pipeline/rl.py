@@ -148,20 +148,20 @@ def engine_for(run: RLRun, policy, n_requests: int):
 def evaluate_heldout(run: RLRun, step: int) -> dict[str, dict[str, float]]:
     """pass@1 (greedy) and pass@k (k = rl.samples) of each task's held-out items; the items split over the ranks."""
     policy = rollout_policy(run)
-    scores = {}
+    r, scores = run.r, {}
     for task, items in run.heldout.items():
         if not items:
             continue
-        mine = items[run.rank::run.world]
-        engine = engine_for(run, policy, len(mine) * (run.r.samples + 1))
+        mine = [(i, text, answer) for i, (text, answer) in enumerate(items)][run.rank::run.world]
+        engine = engine_for(run, policy, len(mine) * (r.samples + 1))
         try:
-            greedy, right = pass_at(engine, run.tok, task, mine, run.r.samples, run.r)
+            greedy, passk = pass_at(engine, run.tok, task, mine, r)
         finally:
             engine.shutdown()
-        parts = all_gather((sum(greedy), sum(c > 0 for c in right), len(mine)))
-        n = sum(x[2] for x in parts)
-        scores[task] = {"pass1": round(sum(x[0] for x in parts) / n, 4), "passk": round(sum(x[1] for x in parts) / n, 4)}
-    log(f"{STAGE}: held-out at step {step}: " + ", ".join(f"{t} pass@1 {s['pass1']:.3f} pass@{run.r.samples} "
+        parts = all_gather((sum(greedy), len(greedy), sum(passk), len(passk)))
+        scores[task] = {"pass1": round(sum(x[0] for x in parts) / sum(x[1] for x in parts), 4),
+                        "passk": round(sum(x[2] for x in parts) / max(1, sum(x[3] for x in parts)), 4)}
+    log(f"{STAGE}: held-out at step {step}: " + ", ".join(f"{t} pass@1 {s['pass1']:.3f} pass@{r.samples} "
                                                           f"{s['passk']:.3f}" for t, s in scores.items()))
     return scores
 
@@ -269,7 +269,8 @@ def finish(run: RLRun, seconds: float, steps_run: int) -> dict:
     headline = {"reward": round(sum(last) / max(1, len(last)), 4), "pass1": mean_over_tasks(h["after"], "pass1"),
                 "passk": mean_over_tasks(h["after"], "passk")}
     details = {"enabled": True, "steps": r.steps, "tasks": list(r.tasks), "k": r.samples,
-               "heldout_items": {t: len(v) for t, v in run.heldout.items()}, "before": h["before"],
+               "heldout_items": {t: len(v) for t, v in run.heldout.items()},
+               "passk_items": {t: min(len(v), r.passk_items) for t, v in run.heldout.items()}, "before": h["before"],
                "after": h["after"], "rollouts": r.steps * r.prompts_per_step * r.samples,
                "backend": run.backend.name, "backend_label": run.backend.label, "device": str(run.device),
                "params": run.model.num_params()}

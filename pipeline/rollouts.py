@@ -185,20 +185,20 @@ def policy_loss(model, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, n_toke
     return (a * nll).sum() / n_tokens
 
 
-def pass_at(engine: Engine, tok, task: str, items: list[tuple[str, str]], k: int, r: RLParams) -> tuple[list, list]:
-    """Per item: whether the greedy reply is right (pass@1, as the evaluate stage scores), and how many of k
-    sampled replies are (pass@k: at least one). The samples' seeds are the same in every evaluation."""
-    requests = []
-    for i, (text, _) in enumerate(items):
-        ids = chat_prompt(tok, text)
-        requests.append((ids, SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens)))
-        requests += [(ids, SamplingParams(temperature=r.temperature, top_k=r.top_k, max_tokens=r.max_new_tokens,
-                                          seed=request_seed(r.seed, -1, i, j))) for j in range(k)]
+def pass_at(engine: Engine, tok, task: str, items: list[tuple[int, str, str]], r: RLParams) -> tuple[list, list]:
+    """Held-out items (index, prompt, answer): whether each one's greedy reply is right (pass@1, as the evaluate
+    stage scores), and for those of index < r.passk_items whether one of k = r.samples sampled replies is (pass@k).
+    An item's samples have the same seeds in every evaluation."""
+    sampled = [it for it in items if it[0] < r.passk_items]
+    requests = [(chat_prompt(tok, text), SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens))
+                for _, text, _ in items]
+    for i, text, _ in sampled:
+        requests += [(chat_prompt(tok, text), SamplingParams(
+            temperature=r.temperature, top_k=r.top_k, max_tokens=r.max_new_tokens, seed=request_seed(r.seed, -1, i, j)))
+            for j in range(r.samples)]
     results = generate(engine, requests)
-    greedy, right = [], []
-    for i, (_, answer) in enumerate(items):
-        ok = [is_correct(task, reply_text(tok, [t.id for t in tokens]), answer)
-              for tokens, _ in results[i * (k + 1):(i + 1) * (k + 1)]]
-        greedy.append(ok[0])
-        right.append(sum(ok[1:]))
-    return greedy, right
+    answers = [answer for _, _, answer in items] + [answer for _, _, answer in sampled for _ in range(r.samples)]
+    right = [is_correct(task, reply_text(tok, [t.id for t in tokens]), answer)
+             for (tokens, _), answer in zip(results, answers)]
+    n, k = len(items), r.samples
+    return right[:n], [any(right[n + j * k:n + (j + 1) * k]) for j in range(len(sampled))]
