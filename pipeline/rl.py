@@ -166,9 +166,10 @@ def evaluate_heldout(run: RLRun, step: int) -> dict[str, dict[str, float]]:
     return scores
 
 
-def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float]:
+def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float, dict]:
     """One step: this rank's share of the prompts rolled out and rewarded, the policy-gradient loss over every
-    rank's sampled ids, one optimizer update. Returns (mean reward, mean reply length) over all ranks."""
+    rank's sampled ids, one optimizer update. Returns (mean reward, mean reply length) over all ranks, and per
+    task its rewards' sum, its replies and its groups whose rewards differ (the only ones that teach)."""
     r, world = run.r, run.world
     prompts = run.source.step(step, r.prompts_per_step)
     share = len(prompts) // world
@@ -181,6 +182,16 @@ def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float]:
     del policy
     rewards = torch.tensor([x.reward for x in rolls])
     adv = advantages(rewards, r.samples, r.std_advantage)
+    mine = prompts[run.rank * share:(run.rank + 1) * share]
+    per_task = {}
+    for g, p in enumerate(mine):
+        group = rewards[g * r.samples:(g + 1) * r.samples]
+        t = per_task.setdefault(p.task, [0.0, 0, 0])
+        t[0], t[1], t[2] = t[0] + float(group.sum()), t[1] + r.samples, t[2] + int(bool(group.max() > group.min()))
+    stats = {}
+    for part in all_gather(per_task):
+        for task, v in part.items():
+            stats[task] = [a + b for a, b in zip(stats.get(task, [0.0, 0, 0]), v)]
     totals = torch.tensor([float(sum(sum(x.mask) for x in rolls)), float(rewards.sum()),
                            float(sum(x.reply_tokens for x in rolls))], dtype=torch.float64)
     if world > 1:
@@ -202,7 +213,7 @@ def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float]:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     n_rolls = r.prompts_per_step * r.samples
-    return float(totals[1]) / n_rolls, float(totals[2]) / n_rolls
+    return float(totals[1]) / n_rolls, float(totals[2]) / n_rolls, stats
 
 
 def heldout_row(step: int, scores: dict) -> dict:
@@ -229,9 +240,12 @@ def loop(run: RLRun, start_step: int) -> float:
     for step in range(start_step, r.steps):
         mult = 1.0 - step / r.steps  # linear to 0 (nanochat's RL schedule)
         run.optimizer.set_lr_multiplier(mult)
-        reward, length = rl_step(run, model, step, autocast)
+        reward, length, stats = rl_step(run, model, step, autocast)
         done = step + 1
         h.setdefault("rewards", []).append(reward)
+        seen = h.setdefault("per_task", {})
+        for task, v in stats.items():
+            seen[task] = [a + b for a, b in zip(seen.get(task, [0.0, 0, 0]), v)]
         if plot:
             plot.log(step=done, reward=reward, reply_tokens=length, lr=mult)
         bar.set_postfix(reward=f"{reward:.3f}", tokens=f"{length:.1f}")
@@ -271,7 +285,10 @@ def finish(run: RLRun, seconds: float, steps_run: int) -> dict:
     details = {"enabled": True, "steps": r.steps, "tasks": list(r.tasks), "k": r.samples,
                "heldout_items": {t: len(v) for t, v in run.heldout.items()},
                "passk_items": {t: min(len(v), r.passk_items) for t, v in run.heldout.items()}, "before": h["before"],
-               "after": h["after"], "rollouts": r.steps * r.prompts_per_step * r.samples,
+               "after": h["after"],
+               "train_reward": {t: round(v[0] / v[1], 4) for t, v in h.get("per_task", {}).items()},
+               "groups_that_teach": {t: round(v[2] * r.samples / v[1], 4) for t, v in h.get("per_task", {}).items()},
+               "rollouts": r.steps * r.prompts_per_step * r.samples,
                "backend": run.backend.name, "backend_label": run.backend.label, "device": str(run.device),
                "params": run.model.num_params()}
     timings = {"seconds": round(seconds, 1),
