@@ -149,7 +149,7 @@ def closure_mismatch(stage: dict) -> tuple[set[Path], set[Path]]:
 
 
 def test_every_stage_lists_exactly_its_import_closure():
-    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+    for dvc_file in ("dvc.yaml",):
         for name, stage in stages(dvc_file).items():
             missing, extra = closure_mismatch(stage)
             assert not missing, f"{dvc_file} stage '{name}' imports {sorted(map(str, missing))} but does not list them in deps"
@@ -255,7 +255,7 @@ def write_code_deps(dvc_file: str) -> None:
 
 if __name__ == "__main__":  # python tests/test_dvc.py [--write]: print (or write) each stage's code deps
     import sys
-    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+    for dvc_file in ("dvc.yaml",):
         if "--write" in sys.argv:
             write_code_deps(dvc_file)
         for name, stage in stages(dvc_file).items():
