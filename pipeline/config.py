@@ -373,7 +373,7 @@ class Params(Settings):
     sft: TrainParams = field(default_factory=_default_sft)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     probe: ProbeOptions = field(default_factory=ProbeOptions)
-    """`sparkchat probe` and bench/dvc.yaml's probe stage (model/precision/options.py ProbeOptions)."""
+    """`sparkchat probe` (model/precision/options.py ProbeOptions)."""
 
     def backend_for(self, stage: str) -> str:
         return getattr(self, stage).backend or self.precision.backend

@@ -43,8 +43,14 @@ TRAIN_STAGES = ("pretrain", "midtrain", "sft")
 MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACTS / "midtrain" / "model",
               "sft": ARTIFACTS / "model"}
 CHAT_MODEL = MODEL_DIRS["sft"]
-# the models the evaluate stage scores, by their name in its metrics file (metrics_file("evaluate"))
+# the models the evaluate stage scores, one DVC stage each (dvc.yaml: evaluate@<name>), so a changed model
+# re-scores only itself; each writes its reports under eval_reports(name)
 EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": CHAT_MODEL}
+
+
+def eval_reports(model: str) -> str:
+    """The report folder of one model's evaluation, as a stage name for metrics_file and friends."""
+    return f"evaluate/{model}"
 
 # the chat model as a Hugging Face transformers NanoChat directory, with a model card (stage `export`)
 HF_EXPORT = ARTIFACTS / "hf"
@@ -89,5 +95,5 @@ def timings_file(stage: str) -> Path:
 
 
 def plot_file(stage: str) -> Path:
-    """A training stage's loss curve, or evaluate's scores per task."""
-    return REPORTS / stage / ("scores.tsv" if stage == "evaluate" else "loss.tsv")
+    """A training stage's loss curve, or one evaluation's scores per task (eval_reports)."""
+    return REPORTS / stage / ("scores.tsv" if stage.startswith("evaluate/") else "loss.tsv")
