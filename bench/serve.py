@@ -114,14 +114,23 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     body = {"model": "sparkchat", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
             "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
             "stream_options": {"include_usage": True}}
-    last, lines = "", []
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                last = line  # parsed once, at the end: a client that parsed every chunk measured itself
-                if keep is not None:
-                    lines.append(line)
+    for attempt in (1, 2):
+        last, lines = "", []
+        try:
+            async with client.stream("POST", url, json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = line  # parsed once, at the end: a client that parsed every chunk measured itself
+                        if keep is not None:
+                            lines.append(line)
+            break
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # a kept-alive connection the server closed as idle (uvicorn's keep-alive timeout is 5 s; a
+            # stream that finished early waits for the rest of its round) can fail as it is reused: sent
+            # again once, on a new connection, if nothing came back
+            if last or attempt == 2:
+                raise
     if keep is not None:
         keep.append(lines)
     usage = json.loads(last[6:]).get("usage") if last else None  # the usage chunk comes last

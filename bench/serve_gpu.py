@@ -288,9 +288,10 @@ def serve_argv(model_dir: Path, args, max_batch: int) -> list[str]:
                   "runpy.run_module('serve', run_name='__main__', alter_sys=True)", str(args.switch_interval), *flags]
 
 
-def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: Path | None) -> dict:
+def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: Path | None, progress) -> dict:
     """`args.rounds` rounds of every level: the engine alone, then (with a `model_dir`) the same level
-    through the server, started once. Every round of each, with the load average at its start."""
+    through the server, started once. Every round of each, with the load average at its start;
+    `progress(rounds so far)` after each level, so a run cut short keeps them."""
     from bench.serve import client_processes, running_server
     eng: dict = {n: [] for n in levels}
     http: dict = {n: [] for n in levels}
@@ -316,6 +317,7 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
                              f"{h['tree_cpu_us_per_token']}), text {h['text_token_share']:.3f}, clients "
                              f"{h['client_cpu_us_per_token']} us a token ({h['client_processes']} processes)")
                 print(line + f"; load {load}", flush=True)
+                progress({"engine": eng, "http": http if model_dir else None})
     return {"engine": eng, "http": http if model_dir else None}
 
 
@@ -417,7 +419,8 @@ def main(argv=None) -> dict:
     if gpu and args.eager:  # rounds of its own, no HTTP: on a CPU there are no graphs to compare with
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=False)
         try:
-            res["engine_eager"] = report(measure(engine, tok, gen, levels, args, None), levels, "eager", bound_ms)
+            rounds = measure(engine, tok, gen, levels, args, None, lambda r: save({**res, "unfinished_eager": r}, args.out))
+            res["engine_eager"] = report(rounds, levels, "eager", bound_ms)
         finally:
             engine.shutdown()
         save(res, args.out)
@@ -427,7 +430,8 @@ def main(argv=None) -> dict:
         model.to(torch.bfloat16 if gpu else torch.float32)
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=gpu)
         try:
-            r = report(measure(engine, tok, gen, levels, args, model_dir), levels, name, bound_ms)
+            rounds = measure(engine, tok, gen, levels, args, model_dir, lambda r: save({**res, "unfinished": r}, args.out))
+            r = report(rounds, levels, name, bound_ms)
             res["http"] = r.pop("http", None)
             res[f"engine_{name}"] = r
             long = torch.randint(0, vocab, (1, 512), generator=torch.Generator().manual_seed(0)).tolist()
