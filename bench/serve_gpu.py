@@ -23,8 +23,9 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
 - `text_token_share`: of the completion tokens, those that arrived as text: per response, the tokens
   its content events stand for (bench.text_model.text_tokens: each U+FFFD one lone byte, the rest of
   an event's text encoded again), at most its completion tokens, summed and divided by all completion
-  tokens. A token that sends no text (a control id the model sampled, words in a calculator call the
-  chat reader hides) is missing from it; counted after the timed window.
+  tokens, counted after the timed window. A token that sends no text (a control id the model sampled,
+  words after a calculator-call opener, which the chat reader hides) is missing from it. The count is
+  an estimate, about 1% high (see text_tokens).
 - the clients' CPU a token and the busiest client process's share of a CPU (is the client the limit?).
 
 The engine alone also gives TTFT/TPOT, and, on a GPU, the ratio to the weight-read bound (a decode step

@@ -58,9 +58,10 @@ def write_model_dir(model, tok: SparkTokenizer, out: Path, generation: dict = GE
 
 def text_tokens(tok: SparkTokenizer, text: str) -> int:
     """How many tokens one event's text stands for: each U+FFFD one (a lone byte's id the server could
-    not complete into a character), the rest encoded again with the tokenizer. Exact when an event
-    holds one token's text, as the current server sends (on 25,600 random ids of a 2,048-id tokenizer
-    the count was 0.9997 of the ids); when an event joins several tokens, their bytes may encode
-    otherwise: within +3% on random ids joined 2 to 32 an event."""
+    not complete into a character), the rest encoded again with the tokenizer. An estimate: on 25,600
+    random ids of a 2,048-id tokenizer, one token's text an event, it counted 0.9997 of the ids; joined
+    2 to 32 an event, their bytes may encode otherwise (up to +3%); and the chat reader holds back a
+    line break to send it with the next word, so that break is counted twice (in the one replay
+    checked, 0.982 counted where 0.970 of the ids were shown: bench/results/serving.md)."""
     parts = text.split("\ufffd")
     return len(parts) - 1 + sum(len(tok.encode(p)) for p in parts if p)
