@@ -47,26 +47,22 @@ PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of Franc
 
 
 def random_model_dir(depth: int, out: Path) -> Path:
-    """A random model shaped like the default (CPU) profile: width 32*depth, heads of 32, GQA 2:1."""
+    """A random model shaped like the default (CPU) profile: width 32*depth, heads of 32, GQA 2:1, with
+    the serving benchmarks' 2,048-id text tokenizer (bench/text_model.py)."""
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from bench.text_model import text_tokenizer, write_model_dir
     from model.gpt import GPT, GPTConfig
-    from model.model_dir import save_model_dir
-    from model.tokenizer import SparkTokenizer
 
-    texts = []  # tokenizer text: Python's own standard library sources (local, no download)
-    for f in sorted(Path(os.__file__).parent.glob("*.py"))[:60]:
-        texts.append(f.read_text(errors="ignore"))
-    tok = SparkTokenizer.train(texts, vocab_size=2048)
+    tok = text_tokenizer(2048)
     n_embd = 32 * depth
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=depth, n_embd=n_embd, n_head=n_embd // 32,
                     n_kv_head=max(1, n_embd // 64), seq_len=128)
     torch.manual_seed(0)
     model = GPT(cfg)
     model.init_weights(seed=0)
-    save_model_dir(out, model, tok, {"temperature": 1.0, "top_k": 50, "max_tokens": 100})
-    return out
+    return write_model_dir(model, tok, out, {"temperature": 1.0, "top_k": 50, "max_tokens": 100})
 
 
 def free_port() -> int:
@@ -322,9 +318,9 @@ def main(argv=None) -> dict:
         res["levels"][n] = {"tokens_per_s_rounds": [round(x, 2) for x in rounds[n]],
                             "tokens_per_s": spread(rounds[n], 2),
                             f"vs_{levels[0]}": spread(ratios(rounds[n], rounds[levels[0]]))}
-        print(f"{n:3d} streams: {fmt(res['levels'][n]['tokens_per_s'])} tokens/s, "
-              f"{fmt(res['levels'][n][f'vs_{levels[0]}'], '.2f', 'x')} vs {levels[0]} "
-              f"(median (min-max) of {args.rounds} rounds)", flush=True)
+        vs = f"{fmt(res['levels'][n][f'vs_{levels[0]}'], '.2f', 'x')} vs {levels[0]}, " if n != levels[0] else ""
+        print(f"{n:3d} streams: {fmt(res['levels'][n]['tokens_per_s'])} tokens/s, {vs}"
+              f"median (min-max) of {args.rounds} rounds", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
