@@ -160,7 +160,8 @@ def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
 
 def server_cpu(before: dict, after: dict) -> dict:
     """The server's CPU over a window from two snapshots {"tree": tree_cpu(...), "metrics": scrape(...)}:
-    `tree_cpu_s`, the whole process tree's (a process started within the window counts from zero), and,
+    `tree_cpu_s`, the whole process tree's (a process started within the window counts from zero; one
+    that exits within it counts its whole life, through its parent's children_* once waited for), and,
     when the server has the engine's step counter (STEP_CPU), `engine_step_cpu_s` and `server_cpu_s`, the
     tree's less the engine's steps; without it those two are None."""
     tree = sum(cpu - before["tree"].get(key, 0.0) for key, cpu in after["tree"].items())
