@@ -14,6 +14,7 @@ install:
 
 repro: install
 	dvc repro
+	$(PYTHON) -m sparkchat.repro_check   # which tracked results differ from the committed run, and why
 
 test: install
 	$(PYTHON) -m pytest -q

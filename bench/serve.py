@@ -1,14 +1,17 @@
-"""Serving throughput: aggregate generated tokens/s at 1, 4 and 16 concurrent streams, in one run.
+"""Serving throughput: generated tokens/s at 1, 4 and 16 concurrent streams, median and range of rounds.
 
 Starts the real server (`python -m serve`, a separate process, on a free loopback port) over a model
-directory, then keeps N client streams busy for `--seconds` (each sends one request after another) and
-counts the completion tokens the server reports in each stream's usage frame:
+directory, then, in each round, keeps N client streams busy for `--seconds` per level (each sends one
+request after another) and counts the completion tokens the server reports in each stream's usage
+frame. Each level's ratio to the first is taken within a round (both measured back to back), and the
+figures are the median (min-max) over the rounds (bench/stats.py); `--out` writes every round:
 
-    python bench/serve.py                        # the pipeline's final model (artifacts/model)
+    python bench/serve.py --levels 1,16          # the pipeline's final model (artifacts/model)
     python bench/serve.py --random-init 4        # no trained model yet: a random depth-4 model
 
 Continuous batching should make 16 streams give several times the tokens/s of one: all active rows
-decode in one forward, so the per-step cost grows far slower than the batch.
+decode in one forward, so the per-step cost grows far slower than the batch. The current figures are
+on bench/results/serving.md, "16 streams against 1 on a CPU".
 """
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ import httpx
 
 from sparkchat import paths
 
+try:
+    from bench.stats import fmt, ratios, spread
+except ModuleNotFoundError:  # run as a script (python bench/serve.py): the project root is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.stats import fmt, ratios, spread
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of France?",
            "Write a poem about the sea.", "Explain how a computer works.", "Hello! How are you today?",
@@ -38,26 +47,22 @@ PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of Franc
 
 
 def random_model_dir(depth: int, out: Path) -> Path:
-    """A random model shaped like the default (CPU) profile: width 32*depth, heads of 32, GQA 2:1."""
+    """A random model shaped like the default (CPU) profile: width 32*depth, heads of 32, GQA 2:1, with
+    the serving benchmarks' 2,048-id text tokenizer (bench/text_model.py)."""
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from bench.text_model import text_tokenizer, write_model_dir
     from model.gpt import GPT, GPTConfig
-    from model.model_dir import save_model_dir
-    from model.tokenizer import SparkTokenizer
 
-    texts = []  # tokenizer text: Python's own standard library sources (local, no download)
-    for f in sorted(Path(os.__file__).parent.glob("*.py"))[:60]:
-        texts.append(f.read_text(errors="ignore"))
-    tok = SparkTokenizer.train(texts, vocab_size=2048)
+    tok = text_tokenizer(2048)
     n_embd = 32 * depth
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=depth, n_embd=n_embd, n_head=n_embd // 32,
                     n_kv_head=max(1, n_embd // 64), seq_len=128)
     torch.manual_seed(0)
     model = GPT(cfg)
     model.init_weights(seed=0)
-    save_model_dir(out, model, tok, {"temperature": 1.0, "top_k": 50, "max_tokens": 100})
-    return out
+    return write_model_dir(model, tok, out, {"temperature": 1.0, "top_k": 50, "max_tokens": 100})
 
 
 def free_port() -> int:
@@ -69,43 +74,61 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(argv: list[str], timeout: float = 120):
     """Start `python <argv> --port P` from the project root (a separate process), wait until /health
-    answers, yield (base URL, its pid), and stop the server afterwards."""
+    answers, yield (base URL, its pid), and stop the server afterwards. Its output goes to a temporary
+    file (a pipe nobody reads would fill with its access log and stop it), shown if it fails to start."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("SPARKCHAT_API_KEY", None)
-    server = subprocess.Popen([sys.executable, *argv, "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                sys.exit("the server did not start:\n" + server.stderr.read().decode()[-3000:])
-            time.sleep(0.2)
-        yield base, server.pid
-    finally:
-        server.terminate()
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen([sys.executable, *argv, "--port", str(port)], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=log)
         try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            deadline = time.time() + timeout
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None or time.time() > deadline:
+                    log.seek(0)
+                    sys.exit("the server did not start:\n" + log.read().decode(errors="replace")[-3000:])
+                time.sleep(0.2)
+            yield base, server.pid
+        finally:
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> int:
+async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, keep: list | None = None) -> int:
+    """One streamed chat completion; its completion tokens (from the usage chunk). `keep`: a list that
+    gets the response's data lines (one list a response), read after the timed rounds."""
     body = {"model": "sparkchat", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
             "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
             "stream_options": {"include_usage": True}}
-    last = ""
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                last = line  # parsed once, at the end: a client that parsed every chunk measured itself
+    for attempt in (1, 2):
+        last, lines = "", []
+        try:
+            async with client.stream("POST", url, json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = line  # parsed once, at the end: a client that parsed every chunk measured itself
+                        if keep is not None:
+                            lines.append(line)
+            break
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # a kept-alive connection the server closed as idle (uvicorn's keep-alive timeout is 5 s; a
+            # stream that finished early waits for the rest of its round) can fail as it is reused: sent
+            # again once, on a new connection, if nothing came back
+            if last or attempt == 2:
+                raise
+    if keep is not None:
+        keep.append(lines)
     usage = json.loads(last[6:]).get("usage") if last else None  # the usage chunk comes last
     return usage["completion_tokens"] if usage else 0
 
@@ -114,7 +137,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
 async def stream_clients(n: int):
     """One HTTP client (one kept-alive connection) per stream. A client shared by many streams scans its
     whole connection pool for every request and every response event: at 128 streams that client, not
-    the server, set the rate (bench/results/README.md, "the benchmark's client")."""
+    the server, set the rate (bench/results/serving.md, "The benchmark's HTTP client against the server")."""
     async with contextlib.AsyncExitStack() as stack:
         yield [await stack.enter_async_context(httpx.AsyncClient(timeout=600)) for _ in range(n)]
 
@@ -122,7 +145,7 @@ async def stream_clients(n: int):
 def client_processes(streams: int) -> int:
     """Client processes for `streams`: one per 8 streams, on at most half the cores this process may use.
     A Python client spends more CPU a streamed token than the server's own loop does above one stream
-    (bench/results/http-client-2026-12-04), so at tens of thousands of tokens/s one process of them would
+    (bench/results/serving.md, "The benchmark's HTTP client against the server"), so at tens of thousands of tokens/s one process of them would
     time itself, not the server."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     return max(1, min(-(-streams // 8), cores // 2))
@@ -143,35 +166,63 @@ class Rounds(NamedTuple):
     client_cpu_s: float  # all client processes together
     busiest_cpu_share: float  # the busiest process's CPU seconds / its own seconds
     at_start: object  # what at_start() returned
+    at_end: object = None  # what at_end() returned
+    text_tokens: int | None = None  # of `tokens`, those that arrived as text (with a tokenizer)
 
 
-def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, go) -> None:
+def text_tokens_of(tok, responses: list[list[str]]) -> int:
+    """Of the completion tokens of these streamed chat responses (each its data lines, the usage chunk
+    last), those that arrived as text: per response, the tokens its content events stand for
+    (bench.text_model.text_tokens), at most its completion tokens."""
+    from bench.text_model import text_tokens
+    total = 0
+    for lines in responses:
+        chunks = [json.loads(line[6:]) for line in lines]
+        usage = chunks[-1].get("usage") if chunks else None
+        if not usage:
+            raise RuntimeError("a streamed response without its usage chunk: cannot count its tokens")
+        texts = sum(text_tokens(tok, c["choices"][0]["delta"].get("content") or "") for c in chunks
+                    if c.get("choices"))
+        total += min(texts, usage["completion_tokens"])
+    return total
+
+
+def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, go, counted, tokenizer) -> None:
     """One client process: a connection per stream (`ids`: the streams' indices), a warm-up round, then,
     once `go` is set, rounds of all of them at once for at least `seconds`. Puts "ready" on `out` after
-    the warm-up, then (tokens, CPU seconds, seconds)."""
+    the warm-up, then (tokens, CPU seconds, seconds). With `tokenizer` (a tokenizer.json), it keeps the
+    responses' lines and, once `counted` is set (every process done timing), puts the tokens that arrived
+    as text (text_tokens_of): counting them takes no CPU from a timed round."""
     async def run():
+        keep = [] if tokenizer else None
         async with stream_clients(len(ids)) as clients:
             await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, ids)))
             out.put("ready")
             go.wait()
             t, cpu, tokens = time.perf_counter(), time.process_time(), 0
             while not tokens or time.perf_counter() - t < seconds:
-                got = sum(await asyncio.gather(*(one_stream(c, url, i, max_tokens) for c, i in zip(clients, ids))))
+                got = sum(await asyncio.gather(*(one_stream(c, url, i, max_tokens, keep) for c, i in zip(clients, ids))))
                 if not got:
                     raise RuntimeError(f"a round of {len(ids)} streams got no tokens: no usage chunk from {url}?")
                 tokens += got
             out.put((tokens, time.process_time() - cpu, time.perf_counter() - t))
+        if tokenizer:
+            from model.tokenizer import SparkTokenizer
+            counted.wait()
+            out.put(("text", text_tokens_of(SparkTokenizer.load(tokenizer), keep)))
     asyncio.run(run())
 
 
 def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float, procs: int,
-                        at_start=None) -> Rounds:
+                        at_start=None, at_end=None, tokenizer: str | None = None) -> Rounds:
     """`streams` streams spread over `procs` client processes (at most one a stream), each running rounds of
     its share (`_client_rounds`). `at_start()` runs after every process has warmed up and before any
-    starts timing. A process that fails stops the run."""
+    starts timing, `at_end()` once every process has finished timing. With `tokenizer` (the model's
+    tokenizer.json), also the tokens that arrived as text. A process that fails stops the run."""
     ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context: never fork it
-    out, go = ctx.Queue(), ctx.Event()
-    workers = [ctx.Process(target=_client_rounds, args=(ids, url, max_tokens, seconds, out, go), daemon=True)
+    out, go, counted = ctx.Queue(), ctx.Event(), ctx.Event()
+    workers = [ctx.Process(target=_client_rounds, args=(ids, url, max_tokens, seconds, out, go, counted, tokenizer),
+                           daemon=True)
                for ids in shares(streams, procs)]
 
     def take(n: int, timeout: float) -> list:
@@ -196,13 +247,17 @@ def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float,
         t = time.perf_counter()
         parts = take(len(workers), 600 + 10 * seconds)
         wall = time.perf_counter() - t
+        ended = at_end() if at_end else None
+        counted.set()
+        texts = [n for _, n in take(len(workers), 600)] if tokenizer else None
     finally:
         for w in workers:  # done by now, unless the run failed: then do not wait for them
             w.join(timeout=5 if parts else 0)
             if w.is_alive():
                 w.kill()
     tokens, cpu, secs = zip(*parts)
-    return Rounds(len(workers), sum(tokens), wall, sum(cpu), max(c / s for c, s in zip(cpu, secs)), snapshot)
+    return Rounds(len(workers), sum(tokens), wall, sum(cpu), max(c / s for c, s in zip(cpu, secs)), snapshot,
+                  ended, sum(texts) if texts is not None else None)
 
 
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:
@@ -229,11 +284,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--random-init", type=int, metavar="DEPTH", help="bench a random model of this depth instead")
     ap.add_argument("--levels", default="1,4,16", help="concurrent streams to measure (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=8.0, help="how long each level keeps its streams busy")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every level, one after another (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", help="write the rounds and their median and range here as JSON")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be at least 1, not {args.rounds}")
 
+    rounds: dict[int, list[float]] = {n: [] for n in levels}
+    res: dict = {"model": args.model if not args.random_init else f"random depth {args.random_init}",
+                 "device": args.device, "seconds_per_level": args.seconds, "max_tokens": args.max_tokens,
+                 "load_average_at_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = random_model_dir(args.random_init, Path(tmp) / "model") if args.random_init else Path(args.model)
         if not (model_dir / "config.json").is_file():
@@ -241,15 +304,27 @@ def main(argv=None) -> dict:
         argv = ["-m", "serve", "--model", str(model_dir), "--device", args.device, "--max-batch", str(max(levels)),
                 "--max-queue", "256"]
         with running_server(argv) as (base, _):
-            results = {}
-            for n in levels:
-                tokens, requests, secs = asyncio.run(run_level(base, n, args.seconds, args.max_tokens))
-                results[n] = tokens / secs
-                print(f"{n:3d} streams: {tokens:6d} tokens ({requests:4d} requests) in {secs:5.2f} s = "
-                      f"{results[n]:7.1f} tokens/s"
-                      + (f"  ({results[n] / results[levels[0]]:.2f}x vs {levels[0]})" if n != levels[0] else ""),
-                      flush=True)
-    return results
+            for r in range(args.rounds):
+                for n in levels:
+                    tokens, requests, secs = asyncio.run(run_level(base, n, args.seconds, args.max_tokens))
+                    rounds[n].append(tokens / secs)
+                    print(f"round {r + 1}/{args.rounds}: {n:3d} streams: {tokens:6d} tokens ({requests:4d} requests) in "
+                          f"{secs:5.2f} s = {tokens / secs:7.1f} tokens/s"
+                          + (f"  ({tokens / secs / rounds[levels[0]][r]:.2f}x vs {levels[0]})" if n != levels[0] else ""),
+                          flush=True)
+    res["load_average_at_end"] = os.getloadavg()
+    res["levels"] = {}
+    for n in levels:  # the ratio within each round (both levels measured back to back), then its spread
+        res["levels"][n] = {"tokens_per_s_rounds": [round(x, 2) for x in rounds[n]],
+                            "tokens_per_s": spread(rounds[n], 2),
+                            f"vs_{levels[0]}": spread(ratios(rounds[n], rounds[levels[0]]))}
+        vs = f"{fmt(res['levels'][n][f'vs_{levels[0]}'], '.2f', 'x')} vs {levels[0]}, " if n != levels[0] else ""
+        print(f"{n:3d} streams: {fmt(res['levels'][n]['tokens_per_s'])} tokens/s, {vs}"
+              f"median (min-max) of {args.rounds} rounds", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return res
 
 
 if __name__ == "__main__":

@@ -1,35 +1,74 @@
-"""Decode speed on a GPU: the engine alone and the whole HTTP server, at 1, 16, 64 and 128 streams.
+"""Decode speed: the engine alone and the whole HTTP server as a user runs it, at 1, 16, 64 and 128 streams.
 
-A random model of the `h200` profile's shape (d20: width 1280, 10 heads of 128, vocab 65,536; bf16)
-serves every stream a 64-token prompt and 128 new tokens. For each level it prints tokens/s, time per
-decode step, the median time to first token, and the ratio to the weight-read bound: a decode step
-must read every weight once (the embedding table aside), so at the device's copy bandwidth, measured
-in the same run, one step cannot take less than bytes / bandwidth. Also: TTFT of one 512-token prompt
-at idle, and the engine with CUDA graphs off (the eager path) as the reference.
+A random model (`--depth`, nanochat's dial: width 64 * depth, heads of 128; the default d20 is the
+`h200` profile's shape, bf16 on a GPU, fp32 on a CPU) with a byte-level BPE tokenizer trained to exactly
+its vocabulary on real text (bench/text_model.py), so every id it samples decodes to text and the
+server streams real text. Every stream sends one of the benchmark client's chat questions (rendered as
+the server renders it) and asks for `--new` tokens at temperature 1, top-k 50, seeded.
+
+Each round measures every level twice, back to back: the engine alone, in this process
+(model.chat_engine, as the server builds it, over the same prompts and sampling), then, with `--http`,
+the server, started once as its own process tree (`python -m serve --model DIR`) and driven through
+`/v1/chat/completions` streams by client processes (bench.serve.rounds_in_processes), each level at
+least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (bench/stats.py) of:
+
+- `tokens_per_s`: completion tokens (the usage chunks') per second of the level's window.
+- `of_engine`: the HTTP rate / the engine-alone rate of the same round.
+- `server_cpu_us_per_token`: (the CPU seconds of every process of the server's tree over the window
+  (psutil: user + system of each process, and of its children that exited within it) - the engine's
+  step CPU over it (the server's counter `sparkchat_engine_step_cpu_seconds_total`)) / completion tokens
+  * 1e6: what the server spends a token beside the engine's steps (HTTP, SSE, detokenizing, handoff).
+  A server without that counter gets no such figure (`server_cpu_note` says so), only the tree's
+  whole CPU a token (`tree_cpu_us_per_token`, always there).
+- `text_token_share`: of the completion tokens, those that arrived as text: per response, the tokens
+  its content events stand for (bench.text_model.text_tokens: each U+FFFD one lone byte, the rest of
+  an event's text encoded again), at most its completion tokens, summed and divided by all completion
+  tokens, counted after the timed window. A token that sends no text (a control id the model sampled,
+  words after a calculator-call opener, which the chat reader hides) is missing from it. The count is
+  an estimate, about 1% high (see text_tokens).
+- the clients' CPU a token and the busiest client process's share of a CPU (is the client the limit?).
+
+The engine alone also gives TTFT/TPOT, and, on a GPU, the ratio to the weight-read bound (a decode step
+must read every weight once, the embedding aside: at the copy bandwidth measured in the same run, a
+step cannot take less than bytes / bandwidth), TTFT of one 512-token prompt at idle, and with
+`--eager` the engine without CUDA graphs (its own rounds, no HTTP).
 
     python -m bench.serve_gpu [--depth 20] [--levels 1,16,64,128] [--http] [--out bench/results/x.json]
+    python -m bench.serve_gpu --device cpu --depth 2 --http   # the server's host work on a 2-core CPU
 
-On a CPU (`--device cpu`, fp32, no bound, no graphs), a small model (`--depth 2 --vocab 2048`) makes
-the engine fast enough that the server's own per-token work weighs on the HTTP rate, measured where it
-can be profiled.
+On a CPU (fp32, no bound, no graphs) the default vocabulary is 2,048 ids, so the small model's engine
+is fast enough that the server's own per-token work weighs on the HTTP rate. There torch runs the
+engine alone and the server with one intra-op thread (`--threads`): a second one runs part of every
+step outside the engine's thread, where its step counter does not see it, so its CPU (about 90 us a
+token at 16 streams on 2 cores) would count as the server's. Current figures: bench/results/serving.md.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
 
-import torch
+# before torch loads, as serve/__main__.py does for the server: idle OpenMP workers sleep, so the engine
+# alone here is measured as the server runs it (spinning workers steal a small machine's cores)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token
-from model.gpt import GPT, GPTConfig
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
+import torch  # noqa: E402
+
+from bench.stats import fmt, ratios, spread  # noqa: E402
+from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token  # noqa: E402
+from model.gpt import GPT, GPTConfig  # noqa: E402
+
+STEP_CPU = "sparkchat_engine_step_cpu_seconds_total"
+DEFAULT_VOCAB = {"cuda": 65536, "cpu": 2048}
 
 
 def d_model(depth: int, vocab: int, device: torch.device) -> GPT:
@@ -61,7 +100,7 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - t)
 
 
-def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
+def run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
     """Submit every prompt at once; time until the last finishes, each one's first token, and the time
     per output token after the first (TPOT: a decode step's time as one stream sees it)."""
     first: list[float] = [0.0] * len(prompts)
@@ -69,7 +108,7 @@ def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     tokens = [0] * len(prompts)
     done = threading.Semaphore(0)
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
+    for i, (ids, p) in enumerate(zip(prompts, params)):
         def sink(ev, i=i):
             if isinstance(ev, Token):
                 last[i] = time.perf_counter() - t0
@@ -78,35 +117,91 @@ def run_streams(engine: Engine, prompts: list[list[int]], new: int) -> dict:
                 tokens[i] += 1
             elif isinstance(ev, Finished):
                 done.release()
-        engine.submit(ids, SamplingParams(temperature=1.0, top_k=50, max_tokens=new, seed=i), sink)
+        engine.submit(ids, p, sink)
     for _ in prompts:
         done.acquire()
-    secs = time.perf_counter() - t0
-    tpot = [(b - a) / (n - 1) for a, b, n in zip(first, last, tokens) if n > 1]
-    return {"tokens": sum(tokens), "seconds": secs, "tokens_per_s": sum(tokens) / secs,
-            "ttft_ms_median": 1000 * statistics.median(first),
-            "tpot_ms_median": 1000 * statistics.median(tpot) if tpot else None}
+    return {"tokens": sum(tokens), "seconds": time.perf_counter() - t0, "ttft": first,
+            "tpot": [(b - a) / (n - 1) for a, b, n in zip(first, last, tokens) if n > 1]}
 
 
-def engine_levels(model, levels, prompt_len, new, graphs: bool, vocab: int) -> dict:
-    engine = Engine(model, EngineConfig(max_batch=max(levels), max_queue=1024, cuda_graphs=graphs)).start()
-    g = torch.Generator().manual_seed(0)
+def engine_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float) -> dict:
+    """Batches of every prompt at once, one after another, for at least `seconds` (as each client process
+    runs its streams' rounds); tokens/s over them, TTFT and TPOT medians, the mean batch and the share
+    of the time the scheduler thread was on a CPU."""
+    steps, cpu, tokens, ttft, tpot = engine.steps, engine.cpu_seconds, 0, [], []
+    t = time.perf_counter()
+    while not tokens or time.perf_counter() - t < seconds:
+        r = run_streams(engine, prompts, params)
+        tokens, ttft, tpot = tokens + r["tokens"], ttft + r["ttft"], tpot + r["tpot"]
+    secs = time.perf_counter() - t
+    return {"tokens": tokens, "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 2),
+            "ms_per_step": round(1000 * secs / max(engine.steps - steps, 1), 4),
+            "ttft_ms_median": round(1000 * statistics.median(ttft), 3),
+            "tpot_ms_median": round(1000 * statistics.median(tpot), 4) if tpot else None,
+            **host_share(tokens, engine.steps - steps, engine.cpu_seconds - cpu, secs)}
+
+
+def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
+    """CPU seconds (user + system, and those of its children that have exited and been waited for) of a
+    process and of every process under it, keyed by (pid, start time): a key tells a process from a
+    later one that reuses its pid."""
+    import psutil
+    root = psutil.Process(pid)
     out = {}
-    try:
-        for n in levels:
-            prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
-            run_streams(engine, prompts, new)  # warm-up: captures this level's graphs
-            steps, cpu = engine.steps, engine.cpu_seconds
-            r = run_streams(engine, prompts, new)
-            r["ms_per_step"] = 1000 * r["seconds"] / new
-            r.update(host_share(r["tokens"], engine.steps - steps, engine.cpu_seconds - cpu, r["seconds"]))
-            out[n] = r
-        long = torch.randint(0, vocab, (1, 512), generator=g).tolist()
-        ttft = [run_streams(engine, long, 1)["ttft_ms_median"] for _ in range(5)]
-        out["ttft_512_ms"] = statistics.median(ttft)
-    finally:
-        engine.shutdown()
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            with p.oneshot():
+                t, key = p.cpu_times(), (p.pid, p.create_time())
+        except psutil.NoSuchProcess:  # exited while listed: its CPU is its parent's children_* once waited for
+            continue
+        out[key] = t.user + t.system + t.children_user + t.children_system
     return out
+
+
+def server_cpu(before: dict, after: dict) -> dict:
+    """The server's CPU over a window from two snapshots {"tree": tree_cpu(...), "metrics": scrape(...)}:
+    `tree_cpu_s`, the whole process tree's (a process started within the window counts from zero; one
+    that exits within it counts its whole life, through its parent's children_* once waited for), and,
+    when the server has the engine's step counter (STEP_CPU), `engine_step_cpu_s` and `server_cpu_s`, the
+    tree's less the engine's steps; without it those two are None."""
+    tree = sum(cpu - before["tree"].get(key, 0.0) for key, cpu in after["tree"].items())
+    if STEP_CPU not in before["metrics"] or STEP_CPU not in after["metrics"]:
+        return {"tree_cpu_s": tree, "engine_step_cpu_s": None, "server_cpu_s": None}
+    step = after["metrics"][STEP_CPU] - before["metrics"][STEP_CPU]
+    return {"tree_cpu_s": tree, "engine_step_cpu_s": step, "server_cpu_s": tree - step}
+
+
+def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: float, procs: int) -> dict:
+    """One level through the server: its rate, its CPU beside the engine's steps, the text share and the
+    clients' CPU. The snapshots are taken outside the window (/metrics is scraped first at the start and
+    last at the end), while every client waits: the server is idle then."""
+    from bench.serve import rounds_in_processes
+    at_start = lambda: {"metrics": scrape(base), "tree": tree_cpu(pid), "loop": thread_cpu_s(pid, pid)}  # noqa: E731
+    at_end = lambda: {"tree": tree_cpu(pid), "loop": thread_cpu_s(pid, pid), "metrics": scrape(base)}  # noqa: E731
+    r = rounds_in_processes(base + "/v1/chat/completions", n, new, seconds, procs, at_start, at_end, str(tokenizer))
+    before, after, tokens = r.at_start, r.at_end, r.tokens
+    cpu = server_cpu(before, after)
+    per_token = lambda s: None if s is None else round(1e6 * s / tokens, 2)  # noqa: E731
+    out = {"tokens": tokens, "seconds": round(r.seconds, 4), "tokens_per_s": round(tokens / r.seconds, 2),
+           "server_cpu_us_per_token": per_token(cpu["server_cpu_s"]),
+           "tree_cpu_us_per_token": per_token(cpu["tree_cpu_s"]),
+           "engine_step_cpu_us_per_token": per_token(cpu["engine_step_cpu_s"]),
+           # the server's first process's main thread: the event loop of a one-process server
+           "loop_cpu_us_per_token": per_token(after["loop"] - before["loop"]),
+           "text_token_share": round(r.text_tokens / tokens, 5),
+           "client_processes": r.processes, "client_cpu_us_per_token": per_token(r.client_cpu_s),
+           "busiest_client_cpu_share": round(r.busiest_cpu_share, 3)}
+    m0, m1 = before["metrics"], after["metrics"]
+    if all(k in m0 and k in m1 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds")):
+        out.update(host_share(tokens, int(m1["sparkchat_decode_steps"] - m0["sparkchat_decode_steps"]),
+                              m1["sparkchat_engine_cpu_seconds"] - m0["sparkchat_engine_cpu_seconds"], r.seconds))
+    return out
+
+
+def summary(rounds: list[dict], keys: tuple[str, ...]) -> dict:
+    """Median, min, max and count of each key over the rounds (keys a round lacks or holds None for are
+    left out)."""
+    return {k: spread([r[k] for r in rounds]) for k in keys if rounds and all(r.get(k) is not None for r in rounds)}
 
 
 CHAT_PROMPTS = ["What is 37 + 58?", "Spell the word 'garden'.", "How many r's are in 'strawberry'?",
@@ -163,39 +258,6 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def http_levels(model_dir: Path, levels, new: int, device: str, procs: int | None, switch_interval: float | None,
-                min_seconds: float = 4.0) -> dict:
-    """The same levels through the server in a separate process (the API alone: the chat page adds
-    nothing to a request's path) and the OpenAI streaming API for at least `min_seconds` a level, the
-    streams spread over client processes (`procs`, or bench.serve.client_processes), each running
-    rounds of its share at once (the processes' rounds drift apart). Also the CPU time the server's
-    event loop thread (its main thread: HTTP, SSE, detokenizing) spends per generated token, and the
-    clients' own. `switch_interval`: the server's `sys.setswitchinterval`, how long the loop thread may
-    keep the GIL from the engine's thread (Python's default: 5 ms)."""
-    from bench.serve import client_processes, rounds_in_processes, running_server
-    # a launcher rather than `python -m serve`: the API without the chat page (which needs gradio)
-    launch = ("import sys, uvicorn; from serve.api import Settings, create_app; "
-              "sys.setswitchinterval(float(sys.argv[4])) if sys.argv[4] != 'default' else None; "
-              "uvicorn.run(create_app(Settings(model_dir=sys.argv[1], device=sys.argv[3], max_batch=int(sys.argv[2]), "
-              "max_queue=1024, ui=False)), host='127.0.0.1', port=int(sys.argv[6]), log_level='warning')")
-    out = {}
-    switch = "default" if switch_interval is None else str(switch_interval)
-    with running_server(["-c", launch, str(model_dir), str(max(levels)), device, switch], timeout=300) as (base, pid):
-        for n in levels:
-            r = rounds_in_processes(base + "/v1/chat/completions", n, new, min_seconds, procs or client_processes(n),
-                                    lambda: (scrape(base), thread_cpu_s(pid, pid)))
-            (before, cpu), tokens, secs = r.at_start, r.tokens, r.seconds
-            cpu, after = thread_cpu_s(pid, pid) - cpu, scrape(base)
-            steps, engine_cpu = (after[k] - before[k]
-                                 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds"))
-            out[n] = {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-                      "loop_cpu_us_per_token": round(1e6 * cpu / tokens, 1), "client_processes": r.processes,
-                      "client_cpu_us_per_token": round(1e6 * r.client_cpu_s / tokens, 1),
-                      "busiest_client_cpu_share": round(r.busiest_cpu_share, 3),
-                      **host_share(tokens, int(steps), engine_cpu, secs)}
-    return out
-
-
 def positive(kind):
     """An argparse type: a number of `kind` above zero."""
     def parse(text: str):
@@ -206,32 +268,132 @@ def positive(kind):
     return parse
 
 
+def chat_requests(tok, gen: dict, n: int, new: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The prompts and sampling of the HTTP client's `n` streams (bench.serve.one_stream), as the
+    server turns them into ids: stream i asks question i (cycling), seed i."""
+    from bench.serve import PROMPTS
+    from model.chat import render
+    from model.chat_engine import sampling_params
+    prompts = [render(tok, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], for_completion=True)[0]
+               for i in range(n)]
+    return prompts, [sampling_params(gen, temperature=1.0, max_tokens=new, seed=i) for i in range(n)]
+
+
+def serve_argv(model_dir: Path, args, max_batch: int) -> list[str]:
+    """How the server is started: `python -m serve` as a user runs it, plus `--serve-args`; with
+    `--switch-interval`, through runpy after setting it."""
+    flags = ["--model", str(model_dir), "--device", args.device, "--max-batch", str(max_batch),
+             "--max-queue", "1024", *shlex.split(args.serve_args)]
+    if args.switch_interval is None:
+        return ["-m", "serve", *flags]
+    return ["-c", "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); "
+                  "runpy.run_module('serve', run_name='__main__', alter_sys=True)", str(args.switch_interval), *flags]
+
+
+def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: Path | None, progress) -> dict:
+    """`args.rounds` rounds of every level: the engine alone, then (with a `model_dir`) the same level
+    through the server, started once. Every round of each, with the load average at its start;
+    `progress(rounds so far)` after each level, so a run cut short keeps them."""
+    from bench.serve import client_processes, running_server
+    eng: dict = {n: [] for n in levels}
+    http: dict = {n: [] for n in levels}
+    server = running_server(serve_argv(model_dir, args, max(levels)), timeout=300) if model_dir else None
+    with server or contextlib.nullcontext((None, None)) as (base, pid):
+        for r in range(args.rounds):
+            for n in levels:
+                prompts, params = chat_requests(tok, gen, n, args.new)
+                if r == 0:
+                    run_streams(engine, prompts, params)  # warm-up: on a GPU, captures this level's graphs
+                load = round(os.getloadavg()[0], 2)
+                e = {**engine_round(engine, prompts, params, args.seconds), "load_average_1m": load}
+                eng[n].append(e)
+                line = f"round {r + 1}/{args.rounds} {n:4d} streams: engine {e['tokens_per_s']:9.0f} tok/s"
+                if base:
+                    h = http_round(base, pid, model_dir / "tokenizer.json", n, args.new, args.seconds,
+                                   args.client_procs or client_processes(n))
+                    h["of_engine"] = round(h["tokens_per_s"] / e["tokens_per_s"], 4)
+                    h["load_average_1m"] = round(os.getloadavg()[0], 2)
+                    http[n].append(h)
+                    line += (f", http {h['tokens_per_s']:9.0f} tok/s ({h['of_engine']:.2f}x), server "
+                             f"{h['server_cpu_us_per_token']} us CPU a token beside the engine's steps (tree "
+                             f"{h['tree_cpu_us_per_token']}), text {h['text_token_share']:.3f}, clients "
+                             f"{h['client_cpu_us_per_token']} us a token ({h['client_processes']} processes)")
+                print(line + f"; load {load}", flush=True)
+                progress({"engine": eng, "http": http if model_dir else None})
+    return {"engine": eng, "http": http if model_dir else None}
+
+
+ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
+               "engine_cpu_share")
+HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tree_cpu_us_per_token",
+             "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
+             "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
+
+
+def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -> dict:
+    """Each level's rounds and their summary (median, min, max), printed."""
+    out: dict = {}
+    for n in levels:
+        e = out[n] = {"rounds": rounds["engine"][n], **summary(rounds["engine"][n], ENGINE_KEYS)}
+        if bound_ms:
+            e["of_bound"] = spread([x["tokens_per_s"] / (n * 1000 / bound_ms) for x in rounds["engine"][n]])
+        print(f"engine ({name}) {n:4d} streams: {fmt(e['tokens_per_s'], ',.0f')} tok/s, {fmt(e['ms_per_step'], '.2f')} "
+              f"ms/step" + (f", {fmt(e['of_bound'], '.1%')} of the weight-read bound" if bound_ms else ""), flush=True)
+    if rounds.get("http"):
+        out["http"] = {}
+        for n in levels:
+            h = out["http"][n] = {"rounds": rounds["http"][n], **summary(rounds["http"][n], HTTP_KEYS)}
+            if "server_cpu_us_per_token" not in h:
+                h["server_cpu_note"] = (f"the server has no {STEP_CPU} counter: the engine's step CPU is not "
+                                        f"subtracted, see tree_cpu_us_per_token (the whole tree's)")
+            print(f"http {n:4d} streams: {fmt(h['tokens_per_s'], ',.0f')} tok/s, {fmt(h['of_engine'], '.2f', 'x')} the "
+                  f"engine, server CPU beside the engine's steps " + (
+                      f"{fmt(h['server_cpu_us_per_token'])} us a token" if "server_cpu_us_per_token" in h
+                      else "unknown (no step counter)") +
+                  f", text share {fmt(h['text_token_share'], '.3f')}, clients {fmt(h['client_cpu_us_per_token'])} us "
+                  f"a token (median (min-max) of {len(rounds['http'][n])} rounds)", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depth", type=int, default=20, help="model depth, nanochat's dial (default: %(default)s)")
-    ap.add_argument("--vocab", type=int, default=65536, help="vocabulary (default: %(default)s)")
+    ap.add_argument("--vocab", type=positive(int), help="vocabulary (default: 65536 on cuda, 2048 on cpu)")
     ap.add_argument("--levels", default="1,16,64,128", help="concurrent streams (default: %(default)s)")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream (default: %(default)s)")
-    ap.add_argument("--new", type=int, default=128, help="new tokens per stream (default: %(default)s)")
+    ap.add_argument("--new", type=positive(int), default=128, help="new tokens per stream (default: %(default)s)")
+    ap.add_argument("--rounds", type=positive(int), default=3, help="rounds of every level (default: %(default)s)")
+    ap.add_argument("--seconds", type=positive(float), default=4.0,
+                    help="each level's least time in a round, engine and HTTP each (default: %(default)s)")
     ap.add_argument("--http", action="store_true", help="also through the HTTP server")
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
+    ap.add_argument("--serve-args", default="", help="more flags for `python -m serve`, one string")
     ap.add_argument("--switch-interval", type=positive(float),
                     help="the server's sys.setswitchinterval in seconds (default: Python's)")
     ap.add_argument("--client-procs", type=positive(int),
                     help="HTTP client processes, at most one a stream (default: bench.serve.client_processes)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: the HTTP path's overhead with a small model (default: %(default)s)")
+    ap.add_argument("--threads", type=positive(int),
+                    help="torch's intra-op threads in the engine alone and the server (default: 1 on cpu, torch's "
+                         "own on cuda)")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/serve_gpu.py needs a CUDA GPU (or --device cpu)")
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    if threads:  # the server reads it when its torch loads; this process's engine is told now
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     levels = [int(x) for x in args.levels.split(",")]
+    vocab = args.vocab or DEFAULT_VOCAB[args.device]
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    res: dict = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({torch.get_num_threads()} threads)",
-                 "torch": torch.__version__}
+    res: dict = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({os.cpu_count()} cores)",
+                 "torch": torch.__version__, "command": "python -m bench.serve_gpu " + " ".join(argv or sys.argv[1:]),
+                 "load_average_at_start": os.getloadavg(), "cpu_count": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads(), "commit": git_commit()}
     if args.trained:  # a trained model's logits are peaked: greedy ids are not decided by rounding
         from model.chat import render
         from model.model_dir import load_model_dir
@@ -243,73 +405,84 @@ def main(argv=None) -> dict:
         if args.agreement_only:
             save(res, args.out)
             return res
-    model = d_model(args.depth, args.vocab, device)
+    from bench.text_model import GENERATION, text_tokenizer, write_model_dir
+    from model.chat_engine import chat_engine
+    t = time.perf_counter()
+    tok = text_tokenizer(vocab)
+    gen = {**GENERATION, "max_tokens": args.new}
+    print(f"tokenizer of {vocab} ids trained in {time.perf_counter() - t:.1f} s", flush=True)
+    model = d_model(args.depth, vocab, device)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("wte"))
-    res.update({"depth": args.depth, "params": model.num_params(), "weight_bytes_read_per_step": weight_bytes,
-                "prompt_tokens": args.prompt, "new_tokens": args.new})
-    bound_ms = None
-    if gpu:
-        bw = copy_bandwidth(device)
-        bound_ms = 1000 * weight_bytes / bw
-        res.update({"copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4)})
-        print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
-              f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
-        t = time.perf_counter()
-        engine = Engine(model, EngineConfig(max_batch=max(levels))).start()
-        engine.shutdown()
-        res["warmup_s"] = round(time.perf_counter() - t, 1)
-        res["sampler_eager_for_k_max"] = sorted(engine.graphs.eager_k)  # compile failed for these (warned)
-        print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s; "
-              f"sampler uncompiled for k_max {res['sampler_eager_for_k_max'] or 'none'}", flush=True)
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(0, args.vocab, (int(n),), generator=g).tolist()
-                   for n in torch.randint(4, 600, (10,), generator=g)]
-        res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
-        print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
-              f"{res['greedy_vs_eager_random']}", flush=True)
-    else:
+    res.update({"depth": args.depth, "vocab": vocab, "params": model.num_params(), "new_tokens": args.new,
+                "rounds": args.rounds, "seconds_per_level": args.seconds, "weight_bytes_read_per_step": weight_bytes})
+    bound_ms = gpu_checks(model, args, levels, vocab, weight_bytes, res) if gpu else None
+    if not gpu:
         print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.2f}M params, fp32", flush=True)
-    # on a CPU there are no graphs: the one variant is the engine as the server runs it there
-    variants = [("graphs", True)] + ([("eager", False)] if args.eager else []) if gpu else [("cpu", False)]
-    for name, graphs in variants:
-        r = engine_levels(model, levels, args.prompt, args.new, graphs, args.vocab)
-        res[f"engine_{name}"] = r
-        for n in levels:
-            x = r[n]
-            of_bound = ""
-            if bound_ms:
-                x["of_bound"] = round(x["tokens_per_s"] / (n * 1000 / bound_ms), 4)
-                of_bound = f", {x['of_bound']:.1%} of the weight-read bound"
-            print(f"engine ({name}) {n:4d} streams: {x['tokens_per_s']:9.0f} tok/s, {x['ms_per_step']:6.2f} ms/step, "
-                  f"TTFT {x['ttft_ms_median']:7.1f} ms, TPOT {x['tpot_ms_median']:.3f} ms "
-                  f"({n * 1000 / x['tpot_ms_median']:.0f} tok/s after the first){of_bound}; "
-                  f"{x['tokens_per_step']} tokens a step, scheduler on a CPU {x['engine_cpu_share']:.0%}", flush=True)
-        print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
+    if gpu and args.eager:  # rounds of its own, no HTTP: on a CPU there are no graphs to compare with
+        engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=False)
+        try:
+            rounds = measure(engine, tok, gen, levels, args, None, lambda r: save({**res, "unfinished_eager": r}, args.out))
+            res["engine_eager"] = report(rounds, levels, "eager", bound_ms)
+        finally:
+            engine.shutdown()
         save(res, args.out)
-    if args.http:
-        from model.model_dir import save_model_dir
-        from model.tokenizer import SparkTokenizer
-        texts = [f.read_text(errors="ignore") for f in sorted(Path(os.__file__).parent.glob("*.py"))[:40]]
-        tok = SparkTokenizer.train(texts, vocab_size=2048)  # ids past its vocabulary decode to nothing
-        with tempfile.TemporaryDirectory() as tmp:
-            save_model_dir(Path(tmp) / "m", model.float(), tok, {"temperature": 1.0, "top_k": 50,
-                                                                 "max_tokens": args.new, "tool_use": False})
-            model.to(torch.bfloat16 if gpu else torch.float32)
-            r = http_levels(Path(tmp) / "m", levels, args.new, args.device, args.client_procs,
-                            args.switch_interval)
-        res["http"] = r
-        res["server_switch_interval_s"] = args.switch_interval or sys.getswitchinterval()  # the same Python's default
-        for n in levels:
-            e = res[f"engine_{variants[0][0]}"][n]["tokens_per_s"]
-            r[n]["of_engine"] = round(r[n]["tokens_per_s"] / e, 4)
-            print(f"http {n:4d} streams: {r[n]['tokens_per_s']:9.0f} tok/s ({r[n]['tokens_per_s'] / e:.2f}x the engine "
-                  f"alone), the server's loop {r[n]['loop_cpu_us_per_token']} us of CPU a token; clients "
-                  f"{r[n]['client_cpu_us_per_token']} us a token over {r[n]['client_processes']} processes (busiest on "
-                  f"a CPU {r[n]['busiest_client_cpu_share']:.0%}); "
-                  f"{r[n]['tokens_per_step']} tokens a step, scheduler on a CPU {r[n]['engine_cpu_share']:.0%}",
-                  flush=True)
+    name = "graphs" if gpu else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(model.float(), tok, Path(tmp) / "m", gen) if args.http else None
+        model.to(torch.bfloat16 if gpu else torch.float32)
+        engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=gpu)
+        try:
+            rounds = measure(engine, tok, gen, levels, args, model_dir, lambda r: save({**res, "unfinished": r}, args.out))
+            r = report(rounds, levels, name, bound_ms)
+            res["http"] = r.pop("http", None)
+            res[f"engine_{name}"] = r
+            long = torch.randint(0, vocab, (1, 512), generator=torch.Generator().manual_seed(0)).tolist()
+            once = [SamplingParams(temperature=1.0, top_k=50, max_tokens=1, seed=0)]
+            r["ttft_512_ms"] = statistics.median(1000 * run_streams(engine, long, once)["ttft"][0] for _ in range(5))
+            print(f"engine ({name}) TTFT of a 512-token prompt at idle: {r['ttft_512_ms']:.1f} ms", flush=True)
+        finally:
+            engine.shutdown()
+    res["load_average_at_end"] = os.getloadavg()
     save(res, args.out)
     return res
+
+
+def gpu_checks(model, args, levels: list[int], vocab: int, weight_bytes: int, res: dict) -> float:
+    """On a GPU: the copy bandwidth and so the weight-read bound (ms a step, returned), the engine's
+    start time with compile and graph capture, and greedy ids of the graph path against eager."""
+    device = next(model.parameters()).device
+    bw = copy_bandwidth(device)
+    bound_ms = 1000 * weight_bytes / bw
+    res.update({"copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_read_bound_ms_per_step": round(bound_ms, 4)})
+    print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.0f}M params, {weight_bytes / 1e9:.2f} GB read "
+          f"per step, copy {bw / 1e12:.2f} TB/s -> bound {bound_ms:.3f} ms per step", flush=True)
+    t = time.perf_counter()
+    engine = Engine(model, EngineConfig(max_batch=max(levels))).start()
+    engine.shutdown()
+    res["warmup_s"] = round(time.perf_counter() - t, 1)
+    res["sampler_eager_for_k_max"] = sorted(engine.graphs.eager_k)  # compile failed for these (warned)
+    print(f"engine start with compile and graph capture (max_batch {max(levels)}): {res['warmup_s']} s; "
+          f"sampler uncompiled for k_max {res['sampler_eager_for_k_max'] or 'none'}", flush=True)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(4, 600, (10,), generator=g)]
+    res["greedy_vs_eager_random"] = greedy_agreement(model, prompts)
+    print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
+          f"{res['greedy_vs_eager_random']}", flush=True)
+    return bound_ms
+
+
+def git_commit() -> str | None:
+    """The commit this run's code is at (a `+` when the tree has changes), or None outside git."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 def save(res: dict, out: str | None) -> None:

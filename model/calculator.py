@@ -64,13 +64,15 @@ def calculate(expr: str, timeout_s: float = 0.1) -> str:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError as e:
         raise CalculatorError(f"syntax error: {e.msg}") from None
-    # the AST bounds make evaluation fast; the alarm is a second guard where signals are available
+    # the AST bounds make evaluation fast; the alarm is a second guard where signals are available. It
+    # counts this process's CPU time, not the wall clock: on a loaded machine a process can wait longer than
+    # timeout_s for a core, and a wall-clock alarm then failed a trivial sum (and with it data generation)
     use_alarm = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     if use_alarm:
         def _timeout(*_):
             raise CalculatorError("timed out")
-        old = signal.signal(signal.SIGALRM, _timeout)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        old = signal.signal(signal.SIGVTALRM, _timeout)
+        signal.setitimer(signal.ITIMER_VIRTUAL, timeout_s)
     try:
         value = _eval(tree)
     except ZeroDivisionError:
@@ -79,8 +81,8 @@ def calculate(expr: str, timeout_s: float = 0.1) -> str:
         raise CalculatorError(f"cannot compute: {e}") from None
     finally:
         if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+            signal.signal(signal.SIGVTALRM, old)
     # a real, finite number (or a count) only: (-8) ** 0.5 is complex, 1e308 * 10 is inf
     if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)):
         raise CalculatorError(f"not a finite real number: {value}")

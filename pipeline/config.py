@@ -457,7 +457,7 @@ class Params(Settings):
     rl: RLParams = field(default_factory=RLParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     probe: ProbeOptions = field(default_factory=ProbeOptions)
-    """`sparkchat probe` and bench/dvc.yaml's probe stage (model/precision/options.py ProbeOptions)."""
+    """`sparkchat probe` (model/precision/options.py ProbeOptions)."""
 
     def backend_for(self, stage: str) -> str:
         return getattr(self, stage).backend or self.precision.backend

@@ -1,4 +1,6 @@
-"""Stage `evaluate`: how good are the base, midtrained and SFT models, on items none of them trained on.
+"""Stage `evaluate@<model>`: how good one of the base, midtrained and SFT models is, on items none of them
+trained on (`python -m pipeline.evaluate sft`; one DVC stage per model, so a changed model re-scores only
+itself, and its files are verified before any scoring starts).
 
 - base val bits per byte (pretraining text), for every model;
 - the synthetic tasks the default data teaches, for every model through the chat template: generative,
@@ -14,7 +16,7 @@
   (log-likelihood) or `chatcore` (generation), as nanochat names them. nanochat's CORE averages 22
   tasks, so these means compare only with each other.
 
-Writes its metrics and a scores plot where `sparkchat.paths` says (DVC metrics and plots).
+Writes its headline metrics, details and a scores plot where `sparkchat.paths.eval_reports` says.
 """
 from __future__ import annotations
 
@@ -39,11 +41,11 @@ from sparkchat import paths
 from .benchmarks import CHAT_KINDS, LOGLIKELIHOOD_KINDS, Benchmark, BenchmarkError, chosen_letter, load_benchmark
 from .config import Params, load_params, resolve_source
 from .data import TokenStream, open_tokens
-from .metrics import atomic_write_text, write_json
+from .metrics import VAL_BPB, atomic_write_text, write_reports
 from .runtime import resolve_device
 from .tasks import GENERATIVE, MULTIPLE_CHOICE, is_correct, reply_text
 
-CHAT_MODELS = ("sft",)  # scored on the benchmarks by generation; the others by log-likelihood
+CHAT_MODELS = ("sft", "rl")  # scored on the benchmarks by generation; the others by log-likelihood
 
 def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, desc: str) -> list[str]:
     """Submit every prompt at once; the engine batches them. Returns the replies as text (the part
@@ -194,27 +196,44 @@ def load_benchmarks(p: Params) -> list[Benchmark]:
             for name, b in vars(p.evaluate.benchmarks).items() if b.source]
 
 
+def reports(name: str, scores: dict, benches: list[Benchmark]) -> tuple[dict, dict, str]:
+    """One model's headline metrics (the synthetic tasks, val bits per byte on the pretraining text, the
+    benchmarks' centred mean), its details (each benchmark, centred scores, chance) and its plot rows."""
+    chat = name in CHAT_MODELS
+    chance = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}, **{b.name: round(b.chance, 4) for b in benches}}
+    bench_scores = {b.name: scores[b.name] for b in benches if b.name in scores}
+    c = centered(scores, chance, benches, chat)
+    headline = {t: scores[t] for t in (*GENERATIVE, *MULTIPLE_CHOICE)}
+    headline[VAL_BPB["pretrain"]] = scores["val_bpb"]  # the same held-out text as pretrain's figure
+    mean = "chatcore" if chat else "core"
+    if mean in c:
+        headline[mean] = c[mean]
+    details = {"benchmarks": bench_scores, "centered": c, "chance": chance}
+    rows = ["model\ttask\taccuracy"] + [f"{name}\t{t}\t{v}" for t, v in {**headline, **bench_scores}.items()
+                                         if t != VAL_BPB["pretrain"] and t != mean]
+    return headline, details, "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in paths.EVAL_MODELS:
+        raise SystemExit(f"usage: python -m pipeline.evaluate MODEL, MODEL one of {', '.join(paths.EVAL_MODELS)}")
+    name = args[0]
     p = load_params(stage="evaluate")
     device = resolve_device(p.runtime.device)
     try:
         benches = load_benchmarks(p)
     except BenchmarkError as e:
         raise SystemExit(f"evaluate: evaluate.benchmarks.{e}") from None
-    results = {}
-    for name, path in paths.EVAL_MODELS.items():
-        try:
-            results[name] = evaluate_model(name, path, p, device, benches)
-        except ModelDirError as e:
-            raise SystemExit(f"evaluate: {e}") from None
-        print(f"evaluate {name}: {results[name]}", file=sys.stderr)
-    chance = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}, **{b.name: round(b.chance, 4) for b in benches}}
-    results["centered"] = {m: centered(results[m], chance, benches, m in CHAT_MODELS) for m in paths.EVAL_MODELS}
-    results["chance"] = chance
-    write_json(paths.metrics_file("evaluate"), results)
-    rows = ["model\ttask\taccuracy"] + [f"{m}\t{t}\t{v}" for m in (*paths.EVAL_MODELS, "chance") for t, v in results[m].items()
-                                         if t != "val_bpb"]
-    atomic_write_text(paths.plot_file("evaluate"), "\n".join(rows) + "\n")
+    try:
+        scores = evaluate_model(name, paths.EVAL_MODELS[name], p, device, benches)
+    except ModelDirError as e:
+        raise SystemExit(f"evaluate {name}: {e}") from None
+    headline, details, rows = reports(name, scores, benches)
+    print(f"evaluate {name}: {headline}", file=sys.stderr)
+    stage = paths.eval_reports(name)
+    write_reports(stage, headline, details)
+    atomic_write_text(paths.plot_file(stage), rows)
 
 
 if __name__ == "__main__":

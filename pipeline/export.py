@@ -20,7 +20,7 @@ from sparkchat import paths
 
 from .metrics import VAL_BPB
 
-PARAM_STAGES = ("prepare", "tokenizer", *paths.TRAIN_STAGES, "evaluate")
+PARAM_STAGES = ("prepare", "tokenizer", *paths.TRAIN_STAGES, "rl", "evaluate")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,10 +66,20 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def eval_table(metrics: dict) -> str:
-    """reports/evaluate/metrics.json ({model: {task: score}}) as a table: one row per task, a column per model."""
-    models = {m: flatten(s) for m, s in sorted(metrics.items(), key=lambda kv: kv[0] == "chance")
-              if isinstance(s, dict)}
+def eval_scores() -> dict:
+    """Each evaluated model's scores (its headline metrics and benchmarks), then `chance`: {name: {task: score}}."""
+    out, chance = {}, {}
+    for model in paths.EVAL_MODELS:
+        m, d = read_json(paths.metrics_file(paths.eval_reports(model))), read_json(paths.details_file(paths.eval_reports(model)))
+        if m:
+            out[model] = {**m, **(d or {}).get("benchmarks", {})}
+            chance |= (d or {}).get("chance", {})
+    return out | ({"chance": chance} if out and chance else {})
+
+
+def eval_table(scores: dict) -> str:
+    """{model: {task: score}} as a table: one row per task, a column per model."""
+    models = {m: flatten(s) for m, s in scores.items() if isinstance(s, dict)}
     tasks = list(dict.fromkeys(t for s in models.values() for t in s))
     return table(["task", *models], [[t, *(s.get(t) for s in models.values())] for t in tasks])
 
@@ -96,6 +106,13 @@ def training_section() -> str:
                    "`details.json`; validation bits per byte on held-out text, on every token of held-out "
                    "conversations, or on their replies only):\n\n"
                    + table(["stage", "precision backend", "device", "steps", "tokens", "train loss", "val bpb"], rows))
+    rl = read_json(paths.details_file("rl")) or {}
+    if rl.get("enabled"):
+        tasks = ", ".join(f"{t} {fmt(rl['before'][t]['pass1'])} -> {fmt(s['pass1'])}" for t, s in rl["after"].items())
+        out.append(f"Reinforcement learning after SFT (`reports/rl/`): {rl['steps']} steps of on-policy rollouts on "
+                   f"{', '.join(rl['tasks'])}; held-out pass@1 (greedy) before -> after: {tasks}.")
+    elif rl:
+        out.append("Reinforcement learning was off (`rl.enabled: false`): the chat model is SFT's.")
     sections = {}  # each stage's file holds the sections it reads; a section is the same in every file
     for p in params.values():
         sections |= p or {}
@@ -133,11 +150,12 @@ def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline:
         training = training_section()
         if training:
             sections.append("## Training\n\n" + training)
-        ev = read_json(paths.metrics_file("evaluate"))
+        ev = eval_scores()
         if ev:
             sections.append("## Evaluation\n\nScores on held-out items no model trained on (DVC metrics, "
-                            "`reports/evaluate/metrics.json`): accuracy per task, validation bits per byte "
-                            "(`val_bpb`, lower is better); `chance` is what guessing scores.\n\n" + eval_table(ev))
+                            "`reports/evaluate/<model>/`): accuracy per task, validation bits per byte on the "
+                            "pretraining text (`val_bpb_text`, lower is better); `chance` is what guessing "
+                            "scores.\n\n" + eval_table(ev))
     else:
         sections.append(f"## Training and evaluation\n\nNot recorded here: exported from `{model_dir}`, not from the "
                         f"pipeline's chat model (`{paths.CHAT_MODEL}`), whose DVC metrics this card would quote.")

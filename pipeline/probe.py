@@ -1,4 +1,4 @@
-"""`sparkchat probe` and the bench/dvc.yaml stage: which precision backends run here, and what each buys.
+"""`sparkchat probe`: which precision backends run here, and what each buys.
 
 The command reads its settings from params.yaml's `probe:` section (with `--params`; its defaults
 otherwise), lets flags override them, and hands them to the probe library

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+from prometheus_client.core import CounterMetricFamily
 
 
 class Metrics:
@@ -29,6 +30,20 @@ class Metrics:
         self.active.set_function(lambda: engine.num_active)
         self.steps.set_function(lambda: engine.steps)
         self.engine_cpu.set_function(lambda: engine.cpu_seconds)
+        self.registry.register(_EngineStepCPU(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineStepCPU:
+    """sparkchat_engine_step_cpu_seconds_total: CPU seconds (time.thread_time) the engine's thread spent
+    inside its steps. A counter read from the engine when scraped (a prometheus Counter cannot be read
+    from a function); bench/serve_gpu.py takes it from the server's process-tree CPU."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        yield CounterMetricFamily("sparkchat_engine_step_cpu_seconds", "CPU seconds the engine's thread spent "
+                                  "inside its steps since start", value=self.engine.step_cpu_seconds)

@@ -91,7 +91,7 @@ def reply_messages(words: str, tool_uses: list[ToolUse], done: bool = False) -> 
 
 def model_line(model_dir: Path, root: Path = Path(".")) -> str:
     """Which model is served, in one line of markdown: from the model directory's files, and the
-    evaluate stage's held-out scores (`root` / paths.metrics_file) when it scored this directory."""
+    evaluate stage's held-out scores (`root` / paths.eval_reports) when it scored this directory."""
     d = describe_model_dir(model_dir)
     cfg, meta = d["config"], d["meta"]
     if not cfg:
@@ -109,11 +109,12 @@ def model_line(model_dir: Path, root: Path = Path(".")) -> str:
     out.append(".")
     name = next((n for n, p in paths.EVAL_MODELS.items() if (root / p).resolve() == Path(model_dir).resolve()), None)
     try:
-        metrics = json.loads((root / paths.metrics_file("evaluate")).read_text())
-        scores, chance = metrics[name], metrics.get("chance", {})
+        reports = paths.eval_reports(name)
+        scores = json.loads((root / paths.metrics_file(reports)).read_text())
+        chance = json.loads((root / paths.details_file(reports)).read_text()).get("chance", {})
         out.append(" Held-out scores: " + ", ".join(
             f"{task.replace('_', ' ')} {v:.0%}" + (f" (chance {chance[task]:.0%})" if chance.get(task) else "")
-            for task, v in scores.items() if task != "val_bpb") + ".")
+            for task, v in scores.items() if task in chance) + ".")
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return "".join(out)

@@ -44,8 +44,15 @@ TRAIN_STAGES = ("pretrain", "midtrain", "sft")  # the stages pipeline/train.py r
 MODEL_DIRS = {"pretrain": ARTIFACTS / "pretrain" / "model", "midtrain": ARTIFACTS / "midtrain" / "model",
               "sft": ARTIFACTS / "sft" / "model", "rl": ARTIFACTS / "model"}
 CHAT_MODEL = MODEL_DIRS["rl"]
-# the models the evaluate stage scores, by their name in its metrics file (metrics_file("evaluate"))
-EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": MODEL_DIRS["sft"]}
+# the models the evaluate stage scores, one DVC stage each (dvc.yaml: evaluate@<name>), so a changed model
+# re-scores only itself; each writes its reports under eval_reports(name)
+EVAL_MODELS = {"base": MODEL_DIRS["pretrain"], "midtrain": MODEL_DIRS["midtrain"], "sft": MODEL_DIRS["sft"],
+               "rl": MODEL_DIRS["rl"]}
+
+
+def eval_reports(model: str) -> str:
+    """The report folder of one model's evaluation, as a stage name for metrics_file and friends."""
+    return f"evaluate/{model}"
 
 # the chat model as a Hugging Face transformers NanoChat directory, with a model card (stage `export`)
 HF_EXPORT = ARTIFACTS / "hf"
@@ -90,8 +97,10 @@ def timings_file(stage: str) -> Path:
 
 
 def plot_file(stage: str) -> Path:
-    """A training stage's loss curve, rl's reward curve, or evaluate's scores per task."""
-    return REPORTS / stage / {"evaluate": "scores.tsv", "rl": "reward.tsv"}.get(stage, "loss.tsv")
+    """A training stage's loss curve, rl's reward curve, or one evaluation's scores per task (eval_reports)."""
+    if stage.startswith("evaluate/"):
+        return REPORTS / stage / "scores.tsv"
+    return REPORTS / stage / ("reward.tsv" if stage == "rl" else "loss.tsv")
 
 
 # rl's pass@1 and pass@k on held-out items of each task it trains on, before, during and after training (a plot)

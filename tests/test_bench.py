@@ -24,9 +24,11 @@ def test_client_processes_count_the_tokens_the_server_generated(serve_start, ser
     s = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False)))
     url = s.url + "/v1/chat/completions"
     snapshots = []
-    r = rounds_in_processes(url, 3, 6, 0.0, 5, lambda: snapshots.append(scrape(s.url)) or len(snapshots))
-    after = scrape(s.url)
+    r = rounds_in_processes(url, 3, 6, 0.0, 5, lambda: snapshots.append(scrape(s.url)) or len(snapshots),
+                            lambda: scrape(s.url), str(serve_model_dir / "tokenizer.json"))
+    after = r.at_end
     generated = after["sparkchat_completion_tokens_total"] - snapshots[0]["sparkchat_completion_tokens_total"]
     assert r.processes == 3 and r.at_start == 1
     assert 0 < r.tokens == generated <= 3 * 6
+    assert 0 <= r.text_tokens <= r.tokens  # those that arrived as text (counted after the timed rounds)
     assert r.seconds > 0 and r.client_cpu_s > 0 and 0 < r.busiest_cpu_share

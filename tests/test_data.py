@@ -106,3 +106,28 @@ def test_calculator_failures_are_the_tools_error(expr):
     with pytest.raises(CalculatorError):
         calculate(expr)
     assert try_calculate(expr) == "error"
+
+
+def test_the_calculators_guard_counts_cpu_time_not_waiting(monkeypatch):
+    """The guard stops an evaluation that burns CPU, never one whose process merely waits (for a core on a
+    loaded machine: a wall-clock alarm failed `prepare`'s trivial sums there)."""
+    import time
+
+    from model import calculator
+
+    def waits(tree):
+        time.sleep(0.3)  # off the CPU, as a descheduled process is
+        return 4
+
+    monkeypatch.setattr(calculator, "_eval", waits)
+    assert calculator.calculate("2 + 2", timeout_s=0.05) == "4"
+
+    def burns(tree):
+        end = time.process_time() + 0.5
+        while time.process_time() < end:
+            pass
+        return 4
+
+    monkeypatch.setattr(calculator, "_eval", burns)
+    with pytest.raises(calculator.CalculatorError, match="timed out"):
+        calculator.calculate("2 + 2", timeout_s=0.05)

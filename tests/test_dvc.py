@@ -103,8 +103,28 @@ def import_closure(module: str) -> set[Path]:
     return {module_file(n).relative_to(ROOT) for n in seen}
 
 
-def stages(dvc_file: str = "dvc.yaml") -> dict:
+def raw_stages(dvc_file: str = "dvc.yaml") -> dict:
+    """The stages as written: a `foreach` stage is one entry whose `do` holds the template."""
     return yaml.safe_load((ROOT / dvc_file).read_text())["stages"]
+
+
+def stages(dvc_file: str = "dvc.yaml") -> dict:
+    """Every stage by the name DVC gives it: a `foreach` over a mapping becomes one stage per key
+    (`name@key`), with ${key} and ${item} filled in as DVC fills them."""
+    out = {}
+    for name, stage in raw_stages(dvc_file).items():
+        if "foreach" not in stage:
+            out[name] = stage
+            continue
+        for key, item in stage["foreach"].items():
+            text = yaml.safe_dump(stage["do"]).replace("${key}", key).replace("${item}", str(item))
+            out[f"{name}@{key}"] = yaml.safe_load(text)
+    return out
+
+
+def instances(st: dict, name: str) -> list[dict]:
+    """The stage `name`, or each stage a `foreach` named `name` expands to."""
+    return [s for n, s in st.items() if n == name or n.startswith(f"{name}@")]
 
 
 def stage_module(stage: dict) -> str:
@@ -129,7 +149,7 @@ def closure_mismatch(stage: dict) -> tuple[set[Path], set[Path]]:
 
 
 def test_every_stage_lists_exactly_its_import_closure():
-    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+    for dvc_file in ("dvc.yaml",):
         for name, stage in stages(dvc_file).items():
             missing, extra = closure_mismatch(stage)
             assert not missing, f"{dvc_file} stage '{name}' imports {sorted(map(str, missing))} but does not list them in deps"
@@ -145,12 +165,13 @@ def test_the_check_catches_a_removed_dep():
 
 def test_stages_depend_on_their_resolved_params():
     st = stages()
-    assert set(STAGE_SECTIONS) <= set(st)
     outs = {str(paths.stage_params(s)) for s in STAGE_SECTIONS}
     assert set(st["params"]["outs"]) == outs
     for name in STAGE_SECTIONS:
-        assert str(paths.stage_params(name)) in st[name]["deps"], f"stage '{name}' must depend on its params file"
-        assert "params" not in st[name], f"stage '{name}' reads its params through {paths.stage_params(name)}"
+        assert instances(st, name), f"no stage '{name}' in dvc.yaml"
+        for stage in instances(st, name):
+            assert str(paths.stage_params(name)) in stage["deps"], f"stage '{name}' must depend on its params file"
+            assert "params" not in stage, f"stage '{name}' reads its params through {paths.stage_params(name)}"
     assert set(st["params"]["params"]) >= {"profile", *(s for ss in STAGE_SECTIONS.values() for s in ss)}
     assert "profiles" in st["params"]["deps"]
 
@@ -168,8 +189,18 @@ def test_outputs_are_where_paths_says():
         outs = _declared(st[name], "outs")
         assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
         assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
-    for name in ("tokenizer", *paths.TRAIN_STAGES, "evaluate"):  # headline metrics: what dvc metrics show lists
+    for name in ("tokenizer", *paths.TRAIN_STAGES):  # headline metrics: what dvc metrics show lists
         assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
+    # evaluate: one stage per model, scoring that model, with its own reports
+    assert raw_stages()["evaluate"]["foreach"] == {m: str(p) for m, p in paths.EVAL_MODELS.items()}
+    assert len(instances(st, "evaluate")) == len(paths.EVAL_MODELS)
+    chart = yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"][0]
+    for model, model_dir in paths.EVAL_MODELS.items():
+        stage, reports = st[f"evaluate@{model}"], paths.eval_reports(model)
+        assert str(model_dir) in stage["deps"] and stage["cmd"].endswith(f" {model}")
+        assert _declared(stage, "metrics") == {str(paths.metrics_file(reports))}
+        assert _declared(stage, "outs") == {str(paths.details_file(reports)), str(paths.plot_file(reports))}
+        assert str(paths.plot_file(reports)) in next(iter(chart.values()))["y"]
     for name in ("prepare", "tokenize", *paths.TRAIN_STAGES):  # the rest of what the inputs decide: an output
         assert str(paths.details_file(name)) in _declared(st[name], "outs"), name
     assert {str(p) for p in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN, paths.CHAT_VAL,
@@ -181,15 +212,15 @@ def test_outputs_are_where_paths_says():
     declared = {f for stage in st.values() for key in ("outs", "metrics", "plots") for f in _declared(stage, key)}
     assert not {f for f in declared if f.startswith(str(paths.TIMINGS))}
     assert f"/{paths.TIMINGS}/" in (ROOT / ".gitignore").read_text().splitlines()
-    assert str(paths.plot_file("evaluate")) in _declared(st["evaluate"], "plots")
     assert _declared(st["export"], "outs") == {str(paths.HF_EXPORT)}
 
 
 def test_export_depends_on_what_its_card_quotes():
     from pipeline.export import PARAM_STAGES
     deps = set(stages()["export"]["deps"])
-    quoted = {paths.CHAT_MODEL, *(paths.metrics_file(s) for s in (*paths.TRAIN_STAGES, "evaluate")),
-              *(paths.details_file(s) for s in paths.TRAIN_STAGES),
+    evals = [paths.eval_reports(m) for m in paths.EVAL_MODELS]
+    quoted = {paths.CHAT_MODEL, *(paths.metrics_file(s) for s in (*paths.TRAIN_STAGES, *evals)),
+              *(paths.details_file(s) for s in (*paths.TRAIN_STAGES, *evals)),
               *(paths.stage_params(s) for s in PARAM_STAGES)}
     assert {str(p) for p in quoted} <= deps
 
@@ -210,19 +241,21 @@ def write_code_deps(dvc_file: str) -> None:
     """Rewrite each stage's `deps:` list in `dvc_file`: its import closure, then its other deps."""
     import textwrap
     lines = (ROOT / dvc_file).read_text().split("\n")
-    for name, stage in stages(dvc_file).items():
-        other = [d for d in stage["deps"] if Path(d).parts[0] not in PACKAGES]
-        i = lines.index(f"  {name}:")
-        j = next(k for k in range(i, len(lines)) if lines[k].startswith("    deps: ["))
+    for name, stage in raw_stages(dvc_file).items():
+        stage = stage.get("do", stage)  # a foreach stage: its template
+        other = [f'"{d}"' if "{" in d else d for d in stage["deps"] if Path(d).parts[0] not in PACKAGES]  # ${item}
+        i = next(k for k, line in enumerate(lines) if line.split("#")[0].rstrip() == f"  {name}:")
+        j = next(k for k in range(i, len(lines)) if lines[k].lstrip().startswith("deps: ["))
         k = next(k for k in range(j, len(lines)) if lines[k].rstrip().endswith("]"))
-        body = "    deps: [" + ", ".join(compact(import_closure(stage_module(stage))) + other) + "]"
-        lines[j:k + 1] = textwrap.wrap(body, width=118, subsequent_indent=" " * 11, break_on_hyphens=False)
+        indent = " " * (len(lines[j]) - len(lines[j].lstrip()))
+        body = indent + "deps: [" + ", ".join(compact(import_closure(stage_module(stage))) + other) + "]"
+        lines[j:k + 1] = textwrap.wrap(body, width=118, subsequent_indent=indent + " " * 7, break_on_hyphens=False)
     (ROOT / dvc_file).write_text("\n".join(lines))
 
 
 if __name__ == "__main__":  # python tests/test_dvc.py [--write]: print (or write) each stage's code deps
     import sys
-    for dvc_file in ("dvc.yaml", "bench/dvc.yaml"):
+    for dvc_file in ("dvc.yaml",):
         if "--write" in sys.argv:
             write_code_deps(dvc_file)
         for name, stage in stages(dvc_file).items():

@@ -262,8 +262,9 @@ def test_model_card_quotes_the_dvc_metrics_and_params(tmp_path, monkeypatch, ser
     for stage, backend in zip(paths.TRAIN_STAGES, ("fp8", "te-fp8 (delayed)", "bf16")):
         write_json(paths.details_file(stage), {"backend_label": backend, "device": "cuda:0", "steps": 123, "tokens": 4567})
         write_json(paths.metrics_file(stage), {"train_loss": 1.25, VAL_BPB[stage]: 0.875})
-    write_json(paths.metrics_file("evaluate"), {"sft": {"arithmetic": 0.625, "gsm8k": {"accuracy": 0.375}},
-                                                "chance": {"arithmetic": 0.0}})
+    write_json(paths.metrics_file(paths.eval_reports("sft")), {"arithmetic": 0.625})
+    write_json(paths.details_file(paths.eval_reports("sft")), {"benchmarks": {"gsm8k": {"accuracy": 0.375}},
+                                                               "chance": {"arithmetic": 0.0}})
     main([])
     card = (paths.HF_EXPORT / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")

@@ -2,7 +2,8 @@
 
 - `dvc repro` runs every stage and writes the final model directory, metrics and plots;
 - a second `dvc repro` does nothing;
-- changing an SFT parameter re-runs exactly sft, evaluate and export (after `params`, which resolves them);
+- changing an SFT parameter re-runs exactly sft, the SFT model's evaluation and export (after `params`,
+  which resolves them): the base and midtrained models are not scored again;
 - editing the selected profile's sft block does the same; editing a profile not in use re-runs nothing;
 - sft runs as two data-parallel CPU ranks under fp8 with delayed scaling;
 - pretrain killed with SIGKILL mid-run resumes from its checkpoint on the next `dvc repro` and ends
@@ -37,6 +38,8 @@ TINY = {
     "runtime": {"threads": 1},
     "evaluate": {"max_items": 4, "max_new_tokens": 8},
 }
+TINY["rl"] = {"steps": 2, "prompts_per_step": 2, "samples": 2, "max_new_tokens": 8, "device_batch": 4, "eval_items": 4,
+              "passk_items": 2}
 for _stage in ("pretrain", "midtrain", "sft"):
     TINY[_stage] = {"steps": 3, "total_batch_tokens": 512, "device_batch": 8, "eval_every": 3,
                     "eval_tokens": 512, "checkpoint_every": 2, "log_every": 1}
@@ -79,42 +82,45 @@ def ran_stages(out: str) -> list[str]:
 def test_repro_noop_and_param_change(tmp_path):
     proj = make_project(tmp_path, TINY)
     r = dvc(proj, "repro")
-    assert ran_stages(r.stdout) == ["params", "prepare", "tokenizer", "tokenize", "pretrain", "midtrain", "sft",
-                                    "evaluate", "export"]
+    assert sorted(ran_stages(r.stdout)) == sorted(["params", "prepare", "tokenizer", "tokenize", "pretrain", "midtrain",
+                                                   "sft", "rl", "evaluate@base", "evaluate@midtrain", "evaluate@sft",
+                                                   "evaluate@rl", "export"])
     model = proj / paths.CHAT_MODEL
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation.json"):
         assert (model / name).is_file()
     card = (proj / paths.HF_EXPORT / "README.md").read_text()  # the export quotes the eval it came after
     assert "## Evaluation" in card and "| arithmetic |" in card
-    scores = json.loads((proj / paths.metrics_file("evaluate")).read_text())
-    assert {"base", "midtrain", "sft", "chance"} <= set(scores)
-    assert 0.0 <= scores["sft"]["arithmetic"] <= 1.0
+    def report(model: str, kind) -> dict:
+        return json.loads((proj / kind(paths.eval_reports(model))).read_text())
+
+    assert 0.0 <= report("sft", paths.metrics_file)["arithmetic"] <= 1.0
     # every benchmark, from the committed fixtures: by log-likelihood for the base models, by generation for
     # the chat model, each with its chance level and centred accuracy
     for model, tasks in [("base", ("arc_easy", "arc_challenge", "mmlu", "hellaswag", "lambada")),
                          ("sft", ("arc_easy", "arc_challenge", "mmlu", "hellaswag", "gsm8k"))]:
+        details = report(model, paths.details_file)
         for task in tasks:
-            assert 0.0 <= scores[model][task] <= 1.0 and task in scores["chance"] and task in scores["centered"][model]
-    assert "core" in scores["centered"]["midtrain"] and "chatcore" in scores["centered"]["sft"]
-    assert "\tgsm8k\t" in (proj / paths.plot_file("evaluate")).read_text()
+            assert 0.0 <= details["benchmarks"][task] <= 1.0 and task in details["chance"] and task in details["centered"]
+    assert "core" in report("midtrain", paths.metrics_file) and "chatcore" in report("sft", paths.metrics_file)
+    assert "\tgsm8k\t" in (proj / paths.plot_file(paths.eval_reports("sft"))).read_text()
     shown = dvc(proj, "metrics", "show").stdout
-    assert str(paths.metrics_file("evaluate")) in shown and "val_bpb" in shown
+    assert str(paths.metrics_file(paths.eval_reports("sft"))) in shown and "val_bpb_text" in shown
 
     assert ran_stages(dvc(proj, "repro").stdout) == []
 
     params = yaml.safe_load((proj / "params.yaml").read_text())
     params["sft"]["matrix_lr"] = 0.003
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate", "export"]
+    assert sorted(ran_stages(dvc(proj, "repro").stdout)) == ["evaluate@rl", "evaluate@sft", "export", "params", "rl", "sft"]
 
     # a profile: selecting one whose values equal the current ones re-runs nothing past `params`;
-    # editing its sft block re-runs sft, evaluate and export; editing a profile not in use re-runs nothing
+    # editing its sft block re-runs sft, its evaluation and export; editing a profile not in use re-runs nothing
     (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.003}}))
     params["profile"] = "mine"
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
     (proj / "profiles" / "mine.yaml").write_text(yaml.safe_dump({"sft": {"matrix_lr": 0.004}}))
-    assert ran_stages(dvc(proj, "repro").stdout) == ["params", "sft", "evaluate", "export"]
+    assert sorted(ran_stages(dvc(proj, "repro").stdout)) == ["evaluate@rl", "evaluate@sft", "export", "params", "rl", "sft"]
     (proj / "profiles" / "h200.yaml").write_text((proj / "profiles" / "h200.yaml").read_text() + "\n# edited\n")
     assert ran_stages(dvc(proj, "repro").stdout) == ["params"]
 

@@ -373,6 +373,8 @@ def test_metrics(server, client):
     assert 'sparkchat_requests_total{status="400"}' in text
     value = scrape(server.url)
     assert value["sparkchat_decode_steps"] >= 2 and value["sparkchat_engine_cpu_seconds"] > 0
+    # the steps' CPU is part of the engine thread's (the rest: waiting for work)
+    assert 0 < value["sparkchat_engine_step_cpu_seconds_total"] <= value["sparkchat_engine_cpu_seconds"]
 
 
 # ---- the command line ----

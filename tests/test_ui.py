@@ -49,10 +49,13 @@ def test_model_line_reads_the_model_dir_and_the_pipeline_reports(tmp_path, serve
                                                      "tokens": 3_100_000, "backend_label": "bf16"}))
     assert model_line(model_dir, tmp_path) == (f"Serving `{model_dir}`: 2.5M parameters, 2 layers, context 128 "
                                                "tokens; sft: 7 steps, 3.1M tokens, bf16.")
-    metrics = tmp_path / paths.metrics_file("evaluate")
-    metrics.parent.mkdir(parents=True)
-    metrics.write_text(json.dumps({"sft": {"arithmetic": 0.37, "largest": 0.5, "val_bpb": 1.2},
-                                   "base": {"arithmetic": 0.01}, "chance": {"arithmetic": 0.0, "largest": 0.25}}))
+    for model, scores in {"sft": {"arithmetic": 0.37, "largest": 0.5, "val_bpb_text": 1.2, "chatcore": 0.1},
+                          "base": {"arithmetic": 0.01}}.items():
+        metrics = tmp_path / paths.metrics_file(paths.eval_reports(model))
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text(json.dumps(scores))
+        (tmp_path / paths.details_file(paths.eval_reports(model))).write_text(
+            json.dumps({"chance": {"arithmetic": 0.0, "largest": 0.25}}))
     prepare = tmp_path / paths.stage_params("prepare")
     prepare.parent.mkdir(parents=True)
     prepare.write_text(json.dumps({"data": {"pretrain_sources": ["a.txt"], "chat_sources": ["builtin:synthetic"]}}))

@@ -202,7 +202,7 @@ def parse_entry(text: str) -> Entry:
 @dataclass
 class ProbeOptions(Settings):
     """What the precision probe runs (model/precision/probe.py `run_probe`): params.yaml's `probe:` section,
-    read by `sparkchat probe` (whose flags override each field) and bench/dvc.yaml's probe stage."""
+    read by `sparkchat probe` (whose flags override each field)."""
     KEY: ClassVar[str] = "probe"
     MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2}
     steps: int = 20

@@ -1,0 +1,101 @@
+"""The serving benchmark's text model and its CPU accounting (bench/text_model.py, bench/serve_gpu.py).
+
+No timing here: the benchmark measures speed, these check that what it counts is what it says.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from bench.serve import text_tokens_of
+from bench.serve_gpu import STEP_CPU, server_cpu, tree_cpu
+from bench.text_model import text_tokenizer, text_tokens
+from model.tokenizer import StreamDecoder
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return text_tokenizer(2048)
+
+
+def test_the_benchmark_tokenizer_gives_every_id_of_the_model_text(tok):
+    """A random model samples any id: each must stand for bytes, and a control id aside, decode to text
+    on its own (a lone non-ASCII byte as U+FFFD) and within a stream of random ids."""
+    assert tok.vocab_size == 2048  # exactly the model's vocabulary
+    special = set(tok.special.values())
+    for i in range(tok.vocab_size):
+        assert tok.token_bytes(i), i
+        if i not in special:
+            assert tok.decode([i]), i
+    ids = [i for i in range(tok.vocab_size) if i not in special]
+    random.Random(0).shuffle(ids)
+    decoder = StreamDecoder(tok)
+    shown = "".join(decoder.push(i) for i in ids) + decoder.flush()
+    # no id's bytes were lost: each came out as itself or inside a U+FFFD (3 bytes for at most 3 of them)
+    assert len(shown.encode()) >= sum(len(tok.token_bytes(i)) for i in ids)
+
+
+def test_text_tokens_counts_the_ids_of_one_token_events(tok):
+    """The client counts text tokens from events, without ids: exact to 1% at one token an event (the
+    current server), a control id or a dropped event counted as missing."""
+    special = set(tok.special.values())
+    ids_ok = [i for i in range(tok.vocab_size) if i not in special]
+    rng = random.Random(1)
+    total = counted = 0
+    for _ in range(50):
+        ids = [rng.choice(ids_ok) for _ in range(64)]
+        decoder = StreamDecoder(tok)
+        events = [decoder.push(i) for i in ids] + [decoder.flush()]
+        total += len(ids)
+        counted += sum(text_tokens(tok, e) for e in events if e)
+    assert abs(counted / total - 1) < 0.01
+    assert text_tokens(tok, "") == 0 and text_tokens(tok, "\ufffd\ufffd") == 2
+
+
+def _response(contents: list[str], completion_tokens: int | None) -> list[str]:
+    chunks = [{"choices": [{"delta": {"role": "assistant"}}]}]
+    chunks += [{"choices": [{"delta": {"content": c}}]} for c in contents]
+    chunks.append({"choices": [], "usage": {"completion_tokens": completion_tokens}} if completion_tokens is not None
+                  else {"choices": []})
+    return ["data: " + json.dumps(c) for c in chunks]
+
+
+def test_text_tokens_of_streamed_responses_is_capped_by_their_usage(tok):
+    word = tok.decode([tok.encode(" the")[0]])
+    assert text_tokens_of(tok, [_response([word, word], 5)]) == 2  # 3 tokens sent no text
+    assert text_tokens_of(tok, [_response([word] * 4, 3)]) == 3  # never more than were generated
+    assert text_tokens_of(tok, [_response([word], 1), _response([], 2)]) == 1
+    with pytest.raises(RuntimeError, match="usage chunk"):
+        text_tokens_of(tok, [_response([word], None)])
+
+
+def test_server_cpu_is_the_process_tree_less_the_engine_step_counter():
+    before = {"tree": {(10, 1.0): 5.0, (11, 2.0): 1.0}, "metrics": {STEP_CPU: 100.0}}
+    # process 11 used 0.5 s, 10 used 2.5 s, 12 started within the window and used 0.25 s
+    after = {"tree": {(10, 1.0): 7.5, (11, 2.0): 1.5, (12, 3.0): 0.25}, "metrics": {STEP_CPU: 101.75}}
+    got = server_cpu(before, after)
+    assert got["tree_cpu_s"] == pytest.approx(3.25)
+    assert got["engine_step_cpu_s"] == pytest.approx(1.75)
+    assert got["server_cpu_s"] == pytest.approx(1.5)
+    # a server without the counter: nothing is subtracted, and no figure claims it was
+    got = server_cpu({**before, "metrics": {}}, {**after, "metrics": {}})
+    assert got == {"tree_cpu_s": pytest.approx(3.25), "engine_step_cpu_s": None, "server_cpu_s": None}
+
+
+def test_tree_cpu_counts_a_child_process():
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass\n"
+            "print('ok', flush=True)\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ok\n"
+        cpu = tree_cpu(os.getpid())
+        mine = [v for (pid, _), v in cpu.items() if pid == child.pid]
+        assert mine and mine[0] >= 0.2
+    finally:
+        child.stdin.close()
+        child.wait(10)
