@@ -135,13 +135,21 @@ def test_bad_rl_params_name_the_key(edit, key):
     assert key in str(e.value)
 
 
-def test_gsm8k_fixture_loads_in_the_hub_schema():
-    """The GPU profiles train on GSM8K; the default run does not, so the fixture keeps that path tested."""
-    from pipeline.rollouts import heldout
+def test_gsm8k_fixture_loads_in_the_hub_schema(serve_tokenizer):
+    """The GPU profiles train on GSM8K; the default run does not, so the fixture keeps that path tested: its
+    train rows are the prompts, its test rows the held-out items, the answers GSM8K's final numbers."""
+    from pipeline.rollouts import PromptSource, heldout
     r = RLParams(tasks=["gsm8k"], gsm8k_train="tests/fixtures/evals/gsm8k_train.jsonl",
                  gsm8k_test="tests/fixtures/evals/gsm8k.jsonl", eval_items=4)
     items = heldout("gsm8k", 4, r)
     assert len(items) == 4 and all(a.lstrip("-").replace(".", "").isdigit() for _, a in items)
+    train = [json.loads(line) for line in (ROOT / r.gsm8k_train).read_text().splitlines()]
+    prompts = PromptSource(serve_tokenizer, r).step(0, 6)
+    assert {p.task for p in prompts} == {"gsm8k"}
+    by_question = {row["question"]: row["answer"].rsplit("#### ", 1)[1] for row in train}
+    for p in prompts:
+        question = next(q for q in by_question if serve_tokenizer.encode(q)[:5] == p.ids[2:7])
+        assert p.answer == by_question[question]
     # the GPU profiles that read the hub's GSM8K in evaluate train on its train split
     profiles = [yaml.safe_load(p.read_text()) for p in (ROOT / "profiles").glob("*.yaml")]
     hub = [p for p in profiles if p.get("evaluate", {}).get("benchmarks", {}).get("gsm8k", {}).get("source", "")
