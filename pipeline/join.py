@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         joined = join_env(p.runtime)
         if joined:  # one of the ranks started below
             os.environ.update(joined)
-            from .train import train
-            train(None, p)
+            from .rl import STAGE as RL, rl_started
+            from .train import start, train_started
+            started = start(None, p)  # global rank 0 says which stage runs
+            (rl_started if started[0] == RL else train_started)(*started)
             return
         if p.runtime.nnodes < 2:
             raise ConfigError("runtime.nnodes is 1 in params.yaml: there is no job of several machines to join")

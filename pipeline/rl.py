@@ -319,7 +319,11 @@ def copy_sft() -> dict:
 
 
 def train_rl(p: Params) -> dict:
-    _, p, backend, device, rank, world = start(STAGE, p)
+    return rl_started(*start(STAGE, p))
+
+
+def rl_started(stage: str, p: Params, backend, device, rank: int, world: int) -> dict:
+    """The stage after `start` (which `sparkchat join` calls itself, then hands an rl stage here)."""
     run = build(p, backend, device, rank, world)
     start_step = resume(run)
     r = run.r

@@ -504,7 +504,11 @@ def finish(run: Run, progress: Progress, history: dict) -> dict:
 def train(stage: str | None, p: Params) -> dict:
     """Runs `stage`, or with None (a rank `sparkchat join` started) the stage global rank 0 runs: its parts
     in order, start -> build -> resume -> loop -> finish. Returns the metrics."""
-    stage, p, backend, device, rank, world = start(stage, p)
+    return train_started(*start(stage, p))
+
+
+def train_started(stage: str, p: Params, backend, device, rank: int, world: int) -> dict:
+    """The stage's parts after `start`: build -> resume -> loop -> finish."""
     run = build(stage, p, backend, device, rank, world)
     start_step, history = resume(run)
     return finish(run, loop(run, start_step, history), history)
