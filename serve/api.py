@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, responses, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_INTERVAL, completions, errors, responses, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -56,7 +56,7 @@ class Settings:
     model_id: str = MODEL_ID
     ui: bool = True
     """Mount the Gradio page at /."""
-    stream_interval: float = 0.0
+    stream_interval: float = STREAM_INTERVAL
     """Least seconds between two SSE events of one stream (tokens in between join the next); 0: each
     as soon as it is there. A stream whose client fell behind gets its tokens in one event either way."""
     engine_address: str | None = None

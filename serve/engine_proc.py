@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import secrets
+import signal
 import tempfile
 import threading
 import time
@@ -163,6 +164,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     """The engine process: listen at `address` at once, load the model, then serve every front end that
     connects (each in a thread of its own). A load that fails is said to every front end instead."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:
