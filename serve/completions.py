@@ -121,6 +121,7 @@ def _response(req: CompletionRequest, runtime: Runtime, choices, usage=None, cid
 async def complete(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt], raw: Request) -> Completion:
     streams = await _streams(req, runtime, prompts)
     texts = await serving.collect(streams, raw)
+    serving.check_failed(streams)
     choices = []
     for c, (text, s) in enumerate(zip(texts, streams)):
         p = prompts[c // req.n]
@@ -161,6 +162,9 @@ async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]
         # merged() frees every row when it ends, normally or because the client went away
         async with contextlib.aclosing(serving.merged(streams)) as pieces:
             async for c, piece in pieces:
+                if streams[c].finish_reason == "error":
+                    yield serving.FAILED_EVENT
+                    break
                 if not echoed[c]:  # the prompt's logprobs are in: they precede every token
                     echoed[c] = True
                     p = prompts[c // req.n]
@@ -172,7 +176,7 @@ async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]
                     yield text(c, piece)
                 else:
                     yield chunk([choice(c, piece)])
-        if include_usage:
+        if include_usage and not any(s.finish_reason == "error" for s in streams):
             yield chunk([], _usage(prompts, streams))
         yield "data: [DONE]\n\n"
 

@@ -21,7 +21,7 @@ from model.chat import ChatFormatError, content_text, display_words
 from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
-from .errors import APIError
+from .errors import APIError, error_body
 from .runtime import Runtime, TextStream, merged
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
@@ -173,6 +173,17 @@ def finish_reason(s: TextStream) -> str:
     return "length" if s.finish_reason == "length" else "stop"
 
 
+FAILED = "The model failed while generating (the server's log says why)"
+# what a stream sends when its generation failed, then [DONE] (as vLLM does; the openai package raises it)
+FAILED_EVENT = f"data: {json.dumps(error_body(500, FAILED, code='engine_error'))}\n\n"
+
+
+def check_failed(streams: list[TextStream]) -> None:
+    """A whole response whose generation failed (the engine's error, or the engine process gone) is a 500."""
+    if any(s.finish_reason == "error" for s in streams):
+        raise APIError(500, FAILED, code="engine_error")
+
+
 def _usage(prompt: list[int], streams: list[TextStream]) -> Usage:
     done = sum(s.completion_tokens for s in streams)
     return Usage(prompt_tokens=len(prompt), completion_tokens=done, total_tokens=len(prompt) + done)
@@ -228,6 +239,7 @@ class TextChunks:
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
     streams = await _chat_streams(req, runtime, prompt)
     texts = await collect(streams, raw)
+    check_failed(streams)
     choices = [Choice(index=i, message=AssistantMessage(content=t, sparkchat_parts=s.parts), finish_reason=finish_reason(s),
                       logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
                for i, (t, s) in enumerate(zip(texts, streams))]
@@ -259,6 +271,9 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
             async with contextlib.aclosing(merged(streams)) as pieces:
                 async for i, piece in pieces:
                     s = streams[i]
+                    if s.finish_reason == "error":
+                        yield FAILED_EVENT
+                        break
                     if piece is None:  # tokens whose text was held back (a possible stop string) come last
                         yield chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
                                                  finish_reason=finish_reason(s), logprobs=logprobs(s))])
@@ -268,7 +283,7 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
                         yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
                     elif piece:  # "" marks a tool use: its parts come with the last chunk
                         yield text(i, piece)
-            if include_usage:
+            if include_usage and not any(s.finish_reason == "error" for s in streams):
                 yield chunk([], _usage(prompt, streams))
             yield "data: [DONE]\n\n"
         finally:  # normal end, or the client went away: free every row now
