@@ -5,7 +5,7 @@
 
 Each process has its own GIL: the engine's scheduler thread is not slowed by HTTP, rendering,
 detokenizing or SSE framing, and N front ends use N cores for them. Faults (docs/serving.md, "Faults"):
-the engine process gone ends the server with exit code 1 within a second (nothing can serve without it;
+the engine process gone ends the server with exit code 1 within seconds (nothing can serve without it;
 a process manager restarts the whole); a front end gone loses only its own connections and is started
 again. Every child leaves when this process does (serve.engine_proc watches its parent).
 """
