@@ -114,7 +114,11 @@ class EngineLink:
         raised (QueueFull, PromptTooLong, EngineStopped, ValueError)."""
         rid = next(self.rids)
         self.streams[rid] = stream  # before the ack: the engine may send tokens first
-        refusal = await self._ask(rid, ("submit", rid, prompt, params))
+        try:
+            refusal = await self._ask(rid, ("submit", rid, prompt, params))
+        except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run it
+            self.cancel(rid)
+            raise
         if refusal is not None:
             self.streams.pop(rid, None)
             kind, message = refusal
