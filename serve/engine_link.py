@@ -119,6 +119,9 @@ class EngineLink:
         except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run it
             self.cancel(rid)
             raise
+        except EngineStopped:
+            self.streams.pop(rid, None)
+            raise
         if refusal is not None:
             self.streams.pop(rid, None)
             kind, message = refusal
