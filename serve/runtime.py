@@ -62,6 +62,30 @@ class PlainReader:
         return [{"type": "text", "text": self.words}] if self.words else []
 
 
+class Wake:
+    """Wakes the one task that reads a request's streams (`merged`) when any of them gets events: a bare
+    future, set at most once a wait (an asyncio.Event plus wait_for cost more, once a token a stream)."""
+
+    def __init__(self):
+        self.waiter: asyncio.Future | None = None
+
+    def set(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, timeout: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self.waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, self.set)
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+
 class TextStream:
     """One generation as async text: iterate it for the words (or read several with `merged`). A piece
     is also yielded (possibly "") when a tool use completes, which is then in `tool_uses`. Afterwards
@@ -75,9 +99,9 @@ class TextStream:
     `interval`: the least seconds between two pieces (the events in between join the next)."""
 
     def __init__(self, runtime: "Runtime", prompt_len: int, stop: list[str], chat: bool = True,
-                 wake: asyncio.Event | None = None):
+                 wake: Wake | None = None):
         self.runtime = runtime
-        self.wake = wake or asyncio.Event()
+        self.wake = wake or Wake()
         self.pending: list[tuple] = []  # events from the engine not read yet
         self.reader = ReplyReader(runtime.tokenizer) if chat else PlainReader(runtime.tokenizer)
         self.tool_uses: list[ToolUse] = self.reader.tool_uses
@@ -218,7 +242,6 @@ async def merged(streams: list[TextStream]):
     loop, wake, left = asyncio.get_running_loop(), streams[0].wake, set(range(len(streams)))
     try:
         while left:
-            wake.clear()
             now, soonest, moved = loop.time(), None, False
             for i in sorted(left):
                 s = streams[i]
@@ -233,11 +256,8 @@ async def merged(streams: list[TextStream]):
                 if s.finish_reason is not None:
                     left.discard(i)
                     yield i, None
-            if not moved:
-                try:
-                    await asyncio.wait_for(wake.wait(), None if soonest is None else max(soonest - now, 0))
-                except asyncio.TimeoutError:
-                    pass
+            if not moved:  # no await since the scan: every event pushed meanwhile was seen
+                await wake.wait(None if soonest is None else max(soonest - now, 0))
     finally:
         for s in streams:
             s.close()
@@ -321,7 +341,7 @@ class Runtime:
         return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed, **extras)
 
     async def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
-                          chat: bool = True, wake: asyncio.Event | None = None) -> TextStream:
+                          chat: bool = True, wake: Wake | None = None) -> TextStream:
         """Submit now (raises QueueFull / PromptTooLong / EngineStopped); iterate the result for text."""
         return await TextStream(self, len(prompt), stop or [], chat, wake).submit(prompt, params)
 

@@ -22,7 +22,7 @@ from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams
 from model.tokenizer import SparkTokenizer
 
 from .errors import APIError, error_body
-from .runtime import Runtime, TextStream, merged
+from .runtime import Runtime, TextStream, Wake, merged
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
@@ -121,7 +121,7 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
     """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors. The
     streams share one wake-up event (`merged` reads them together)."""
     streams: list[TextStream] = []
-    wake = asyncio.Event()
+    wake = Wake()
     try:
         for prompt, params in jobs:
             streams.append(await runtime.open_stream(prompt, params, stop, chat, wake))
