@@ -88,11 +88,14 @@ class Server:
         raise LookupError(inode)
 
     def engine_pid(self) -> int:
-        """The child listening on the engine's Unix socket."""
+        """The child listening on an engine's Unix socket (other servers' engines may listen too)."""
         for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
             f = line.split()
             if len(f) >= 8 and f[7].endswith("engine.sock") and int(f[3], 16) & 0x10000:  # __SO_ACCEPTCON
-                return self.holder(int(f[6]))
+                try:
+                    return self.holder(int(f[6]))
+                except LookupError:
+                    continue
         raise LookupError("no engine socket")
 
     def frontend_of(self, client: socket.socket) -> int:
