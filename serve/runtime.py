@@ -68,22 +68,32 @@ class Wake:
 
     def __init__(self):
         self.waiter: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
     def set(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self, timeout: float | None = None) -> None:
-        loop = asyncio.get_running_loop()
-        self.waiter = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, self.set)
+    def set_at(self, when: float) -> None:
+        """Wake the reader at loop time `when` (events that may not go out before), if it waits longer."""
+        if self.waiter is not None and (self.timer is None or self.timer.when() > when):
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = asyncio.get_running_loop().call_at(when, self.set)
+
+    async def wait(self, until: float | None = None) -> None:
+        """Until set, or until loop time `until`."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        if until is not None:
+            self.set_at(until)
         try:
             await self.waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
 
 
 class TextStream:
@@ -127,7 +137,10 @@ class TextStream:
 
     def push(self, ev: tuple) -> None:  # the link's events, on the loop
         self.pending.append(ev)
-        self.wake.set()
+        if not self.interval or ev[1] == FINISH:
+            self.wake.set()
+        else:  # within the interval, the reader sleeps until its end instead of waking for each token
+            self.wake.set_at(self.next_at)
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)
@@ -257,7 +270,7 @@ async def merged(streams: list[TextStream]):
                     left.discard(i)
                     yield i, None
             if not moved:  # no await since the scan: every event pushed meanwhile was seen
-                await wake.wait(None if soonest is None else max(soonest - now, 0))
+                await wake.wait(soonest)
     finally:
         for s in streams:
             s.close()
