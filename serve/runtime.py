@@ -137,10 +137,7 @@ class TextStream:
 
     def push(self, ev: tuple) -> None:  # the link's events, on the loop
         self.pending.append(ev)
-        if not self.interval or ev[1] == FINISH:
-            self.wake.set()
-        else:  # within the interval, the reader sleeps until its end instead of waking for each token
-            self.wake.set_at(self.next_at)
+        self.wake.set()
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)
