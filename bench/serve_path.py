@@ -1,99 +1,117 @@
-"""The server's per-token host work, part by part, each against the way it was done before, in one run.
+"""The server's per-token host work, part by part, each against an alternative, in one run.
 
-At 128 streams a GPU decodes ~40k tokens/s, and every token crosses from the engine thread to the event
-loop and leaves as a server-sent event. The two parts measured here (CPU seconds a token, by thread):
-  - handoff: the engine thread's events into the streams' asyncio queues, one call_soon_threadsafe per
-    event (before) against serve.runtime's batched handoff (one wake-up of the loop per batch);
-  - sse: one streamed chunk as JSON text, model_dump() then json.dumps (before) against pydantic's own
-    model_dump_json (serve.serving.sse).
+Every generated token crosses from the engine process to a front end and leaves as a server-sent event.
+The parts measured here (CPU microseconds a token, each side), `--rounds` rounds, median and range:
+  - channel: an engine step's tokens for one front end as ONE message on a multiprocessing connection,
+    pickled (serve.engine_proc, what the server does), against the same message as JSON
+    (send_bytes/recv_bytes), and against one pickled message per token;
+  - sse: one content chunk's `data:` line from the precomputed template (serve.serving.TextChunks, what
+    the server does) against pydantic's model_dump_json of a chunk object (serve.serving.sse, before).
 
-    python -m bench.serve_path [--rows 128] [--steps 300] [--out bench/results/x.json]
+    python -m bench.serve_path [--rows 128] [--steps 300] [--rounds 3] [--out bench/results/serving/serve_path.json]
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import threading
+import multiprocessing
 import time
+from pathlib import Path
 
-from bench.serve_gpu import save
-from serve.runtime import loop_handoff
+from bench.stats import fmt, ratios, spread
 from serve.schemas import ChatCompletionChunk, ChunkChoice, Delta
-from serve.serving import sse
+from serve.serving import TextChunks, sse
+
+CHANNELS = ("pickle_step", "json_step", "pickle_token")  # the first is the server's
 
 
-async def handoff_run(rows: int, steps: int, batched: bool, step_s: float) -> dict:
-    """An engine-like thread emits one event per row per step (sleeping `step_s` for the device's step)
-    while one reader task per row takes them from its queue."""
-    loop = asyncio.get_running_loop()
-    queues = [asyncio.Queue() for _ in range(rows)]
-    handoff, engine_cpu = loop_handoff(loop), []
+def _receive(conn, kind: str, messages: int) -> None:
+    """The front end's side: read `messages` messages, then send back the CPU seconds it took."""
+    t = time.process_time()
+    for _ in range(messages):
+        if kind == "json_step":
+            json.loads(conn.recv_bytes())
+        else:
+            conn.recv()
+    conn.send(time.process_time() - t)
 
-    def engine():
-        t = time.thread_time()
-        for step in range(steps):
-            for q in queues:
-                if batched:
-                    handoff.put(q, step)
-                else:
-                    loop.call_soon_threadsafe(q.put_nowait, step)
-            time.sleep(step_s)
-        engine_cpu.append(time.thread_time() - t)
 
-    async def reader(q: asyncio.Queue):
-        for _ in range(steps):
-            await q.get()
-
-    thread = threading.Thread(target=engine)
-    wall, loop_cpu = time.perf_counter(), time.thread_time()
-    thread.start()
-    await asyncio.gather(*(reader(q) for q in queues))
-    thread.join()
+def channel_run(kind: str, rows: int, steps: int) -> dict:
+    """The engine's side, here: `steps` steps of `rows` (rid, token) events, sent the `kind` way to a
+    receiving process over a pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    per_token = kind == "pickle_token"
+    proc = ctx.Process(target=_receive, args=(theirs, kind, steps * rows if per_token else steps))
+    proc.start()
+    batches = [[(rid, (step * 7 + rid) % 65536) for rid in range(rows)] for step in range(steps)]
+    wall, t = time.perf_counter(), time.process_time()
+    for batch in batches:
+        if kind == "pickle_step":
+            ours.send(("step", batch))
+        elif kind == "json_step":
+            ours.send_bytes(json.dumps(["step", batch]).encode())
+        else:
+            for event in batch:
+                ours.send(("step", [event]))
+    sender = time.process_time() - t
+    receiver = ours.recv()
+    wall = time.perf_counter() - wall
+    proc.join()
     n = rows * steps
-    return {"events": n, "seconds": time.perf_counter() - wall, "engine_us_per_event": 1e6 * engine_cpu[0] / n,
-            "loop_us_per_event": 1e6 * (time.thread_time() - loop_cpu) / n}
+    return {"sender_us_per_token": 1e6 * sender / n, "receiver_us_per_token": 1e6 * receiver / n,
+            "wall_us_per_token": 1e6 * wall / n}
 
 
-def sse_run(n: int, fast: bool) -> float:
-    """CPU microseconds a chunk (a content delta, as most chunks are)."""
+def sse_run(n: int, template: bool) -> float:
+    """CPU microseconds a content chunk's event."""
+    def chunk(i: int, text: str) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id="chatcmpl-x", created=0, model="sparkchat",
+                                   choices=[ChunkChoice(index=i, delta=Delta(content=text))])
+    fast = TextChunks(chunk, {"usage"})
     t = time.thread_time()
     for i in range(n):
-        c = ChatCompletionChunk(id="chatcmpl-x", created=0, model="sparkchat",
-                                choices=[ChunkChoice(index=0, delta=Delta(content=f" word{i}"))])
-        if fast:
-            sse(c, exclude={"usage"})
+        if template:
+            fast(0, f" word{i}")
         else:
-            f"data: {json.dumps(c.model_dump(exclude={'usage'}), ensure_ascii=False)}\n\n"
+            sse(chunk(0, f" word{i}"), {"usage"})
     return 1e6 * (time.thread_time() - t) / n
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=128, help="streams decoding together (default: %(default)s)")
-    ap.add_argument("--steps", type=int, default=300, help="decode steps (default: %(default)s)")
-    ap.add_argument("--step-ms", type=float, default=0.5, help="the device's time a step (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300, help="decode steps a round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
-    res: dict = {"rows": args.rows, "steps": args.steps, "step_ms": args.step_ms}
-    for name, batched in (("per_event", False), ("batched", True)):
-        runs = [asyncio.run(handoff_run(args.rows, args.steps, batched, args.step_ms / 1000))
-                for _ in range(args.repeats)]
-        res[f"handoff_{name}"] = min(runs, key=lambda r: r["engine_us_per_event"])  # least disturbed run
-    for k in ("engine_us_per_event", "loop_us_per_event"):
-        res[f"handoff_{k}_ratio"] = round(res["handoff_per_event"][k] / res["handoff_batched"][k], 2)
+    runs = {k: [] for k in CHANNELS}
+    sse_runs = {"template": [], "model_dump_json": []}
     sse_run(2000, True), sse_run(2000, False)  # warm-up
-    res["sse_us_dump_then_json"] = min(sse_run(20000, False) for _ in range(args.repeats))
-    res["sse_us_model_dump_json"] = min(sse_run(20000, True) for _ in range(args.repeats))
-    res["sse_ratio"] = round(res["sse_us_dump_then_json"] / res["sse_us_model_dump_json"], 2)
-    b, p = res["handoff_batched"], res["handoff_per_event"]
-    print(f"handoff, {args.rows} rows x {args.steps} steps: engine thread {p['engine_us_per_event']:.2f} -> "
-          f"{b['engine_us_per_event']:.2f} us CPU an event ({res['handoff_engine_us_per_event_ratio']}x less), "
-          f"loop {p['loop_us_per_event']:.2f} -> {b['loop_us_per_event']:.2f} ({res['handoff_loop_us_per_event_ratio']}x less)")
-    print(f"sse chunk: {res['sse_us_dump_then_json']:.2f} -> {res['sse_us_model_dump_json']:.2f} us CPU "
-          f"({res['sse_ratio']}x less)")
-    save(res, args.out)
+    for _ in range(args.rounds):  # each round measures every way back to back
+        for kind in CHANNELS:
+            runs[kind].append(channel_run(kind, args.rows, args.steps))
+        sse_runs["template"].append(sse_run(20000, True))
+        sse_runs["model_dump_json"].append(sse_run(20000, False))
+    res: dict = {"rows": args.rows, "steps": args.steps, "rounds": args.rounds, "channel": {}, "raw": runs}
+    for kind in CHANNELS:
+        res["channel"][kind] = {k: spread([r[k] for r in runs[kind]], 3) for k in runs[kind][0]}
+        if kind != CHANNELS[0]:  # how many times the server's way is cheaper, per round
+            for k in ("sender_us_per_token", "receiver_us_per_token"):
+                res["channel"][kind][k + "_x_ours"] = spread(ratios([r[k] for r in runs[kind]],
+                                                                    [r[k] for r in runs[CHANNELS[0]]]), 2)
+    res["sse_us"] = {k: spread(v, 3) for k, v in sse_runs.items()}
+    res["sse_x_template"] = spread(ratios(sse_runs["model_dump_json"], sse_runs["template"]), 2)
+    res["raw_sse_us"] = sse_runs
+    for kind in CHANNELS:
+        c = res["channel"][kind]
+        print(f"channel {kind:12s} engine side {fmt(c['sender_us_per_token'], '.2f')} us/token, "
+              f"front end {fmt(c['receiver_us_per_token'], '.2f')} us/token")
+    print(f"sse chunk: template {fmt(res['sse_us']['template'], '.2f')} us, model_dump_json "
+          f"{fmt(res['sse_us']['model_dump_json'], '.2f')} us ({fmt(res['sse_x_template'], '.2f')}x)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return res
 
 

@@ -249,9 +249,9 @@ class Engine:
         self.steps = 0  # decode steps run (for tests and metrics)
         self.steps_ahead = 0  # of which launched before the previous one's ids were read back
         self.cpu_seconds = 0.0  # CPU time of the scheduler thread (metrics: is the host keeping up?)
-        # of which inside the steps (admit, prefill, decode, evict, the sinks they call): the server's
-        # CPU beside the engine's is its process tree's less this (bench/serve_gpu.py)
-        self.step_cpu_seconds = 0.0
+        self.step_cpu_seconds = 0.0  # of which inside the steps themselves (not after_step, not idle waits)
+        self.after_step: Callable[[], None] | None = None
+        """Called on the scheduler thread after each step (the server sends that step's events on)."""
         self.stop_ids = set(config.stop_ids)
 
     # ---- public API (any thread) ----
@@ -356,7 +356,7 @@ class Engine:
                         self._cv.wait()
                     if not self._running:
                         return
-                began = time.thread_time()
+                t = time.thread_time()
                 try:
                     self._admit()
                     self._prefill_chunks()
@@ -371,7 +371,9 @@ class Engine:
                     self._inflight = None
                     self.lens = [0] * self.config.max_batch
                 self.cpu_seconds = time.thread_time()
-                self.step_cpu_seconds += self.cpu_seconds - began
+                self.step_cpu_seconds += self.cpu_seconds - t
+                if self.after_step is not None:
+                    self.after_step()
 
     def _admit(self) -> None:
         """Move waiting requests into free rows n.. and prefill them together in one forward (a long

@@ -43,6 +43,7 @@ SPLIT_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?
 class SparkTokenizer:
     def __init__(self, tok: Tokenizer):
         self._tok = tok
+        self._one: dict[int, str] = {}  # decode_one's
         missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
         if missing and missing != list(SYSTEM_TOKENS):
             raise ValueError(f"tokenizer lacks special tokens {missing}")
@@ -94,6 +95,13 @@ class SparkTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def decode_one(self, i: int) -> str:
+        """decode([i]), remembered: a streamed reply decodes most of its ids alone, one a token."""
+        text = self._one.get(i)
+        if text is None:
+            text = self._one[i] = self.decode([i])
+        return text
+
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
@@ -128,7 +136,7 @@ class StreamDecoder:
         if i in self.special:
             return self.flush()
         self.pending.append(i)
-        text = self.tok.decode(self.pending)
+        text = self.tok.decode_one(i) if len(self.pending) == 1 else self.tok.decode(self.pending)
         if text.endswith("\ufffd") and len(self.pending) < self.MAX_PENDING:
             return ""  # wait for the rest of the character
         self.pending = []

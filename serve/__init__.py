@@ -4,3 +4,5 @@
 MAX_BATCH = 16  # sequences decoded together (KV-cache rows)
 MAX_QUEUE = 64  # requests that may wait for a row; beyond that, 429
 MODEL_ID = "sparkchat"  # the model's name in the API
+API_SERVERS = 1  # front-end processes (HTTP, rendering, detokenizing, SSE), beside the engine's
+STREAM_INTERVAL = 0.0  # least seconds between two SSE events of one stream (0: each token at once)

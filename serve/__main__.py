@@ -1,4 +1,5 @@
-"""`sparkchat serve` / `python -m serve`: parse flags, build the app, run uvicorn.
+"""`sparkchat serve` / `python -m serve`: parse flags, check, then start the engine and front-end
+processes (serve.supervisor).
 
 The parser needs neither torch nor FastAPI, so `--help` answers at once; they load in main(), after the
 checks that need neither: a model directory that is not there, and a port that cannot be had, are said
@@ -13,7 +14,7 @@ import socket
 
 from sparkchat import paths, start
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
+from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_INTERVAL
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
 # kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
@@ -31,6 +32,15 @@ def _port(text: str) -> int:
     return port
 
 
+def _at_least(low, kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparkchat serve", description="Serve a sparkchat model: OpenAI-compatible "
                                 "API under /v1 and a chat page at /.")
@@ -44,6 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="sequences decoded together (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=MAX_QUEUE, help="requests that may wait (default: %(default)s)")
+    p.add_argument("--api-servers", type=_at_least(1, int), default=API_SERVERS,
+                   help="front-end processes (HTTP, prompts, SSE), each on a core of its own beside the engine's "
+                        "process (default: %(default)s)")
+    p.add_argument("--stream-interval", type=_at_least(0, float), default=STREAM_INTERVAL,
+                   help="least seconds between two events of one stream; the tokens in between come in the next "
+                        "(default: %(default)s: each token at once)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
@@ -87,15 +103,13 @@ def main(argv=None) -> None:
         verify_model_dir(args.model)
     except ModelDirError as e:
         raise SystemExit(f"sparkchat serve: {e}") from None
-    import uvicorn
-
-    from .api import Settings, create_app
-    app = create_app(Settings(model_dir=args.model, device=args.device, api_key=args.api_key or None,
-                              max_batch=args.max_batch, max_queue=args.max_queue, model_id=args.served_model_name))
+    from .supervisor import run
+    settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
+                    max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    log.info("serving on http://%s:%d (the chat page at /, the API under /v1; /health answers 200 once the "
-             "model has loaded)", host, sock.getsockname()[1])
-    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    log.info("serving on http://%s:%d with %d front-end process(es) (the chat page at /, the API under /v1; "
+             "/health answers 200 once the model has loaded)", host, sock.getsockname()[1], args.api_servers)
+    raise SystemExit(run(settings, sock, args.api_servers))
 
 
 if __name__ == "__main__":

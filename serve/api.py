@@ -6,10 +6,12 @@
     GET  /v1/models             the one served model
     GET  /health                503 while the model loads (or failed to), then 200
     GET  /metrics               Prometheus text format
-    /                           the Gradio chat page (ui.py), same engine, in-process
+    /                           the Gradio chat page (ui.py), same engine
 
-The model loads in a background thread started by the lifespan, so the port answers (and /health says
-503) at once; state lives on `app.state`: `settings`, `metrics`, `runtime` (None until loaded).
+This app is one front end: the engine runs in a process of its own (serve.engine_proc), which the app
+starts, or connects to when `Settings.engine_address` names one (`sparkchat serve`'s front ends). It
+connects in a background thread started by the lifespan, so the port answers (and /health says 503)
+at once; state lives on `app.state`: `settings`, `metrics`, `runtime` (None until loaded).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, completions, errors, responses, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_INTERVAL, completions, errors, responses, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -54,6 +56,13 @@ class Settings:
     model_id: str = MODEL_ID
     ui: bool = True
     """Mount the Gradio page at /."""
+    stream_interval: float = STREAM_INTERVAL
+    """Least seconds between two SSE events of one stream (tokens in between join the next); 0: each
+    as soon as it is there. A stream whose client fell behind gets its tokens in one event either way."""
+    engine_address: str | None = None
+    """The Unix socket of a running engine process to use (`sparkchat serve` passes its own); None:
+    start one for this app."""
+    engine_authkey: bytes | None = None
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
@@ -61,12 +70,17 @@ class Settings:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not self.stream_interval >= 0:
+            raise ValueError(f"stream_interval must be >= 0 seconds, got {self.stream_interval}")
 
 
 def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threading.Thread:
+    loop = asyncio.get_running_loop()
+
     def run():
         try:
-            app.state.runtime = loader()
+            app.state.runtime = loader().start(loop)
+            app.state.metrics.loaded = True
         except Exception as e:  # /health reports it; the process stays up to say so
             log.exception("loading the model failed")
             app.state.load_error = f"{type(e).__name__}: {e}"
@@ -82,6 +96,8 @@ def get_runtime(request: Request) -> Runtime:
         error = request.app.state.load_error
         raise APIError(503, f"The model failed to load: {error}" if error else "The model is still loading",
                        code="model_not_loaded")
+    if runtime.link.dead:
+        raise APIError(503, f"The engine stopped: {runtime.link.dead}", code="engine_stopped")
     return runtime
 
 
@@ -96,9 +112,10 @@ async def answer(endpoint, body, request: Request):
     beyond its schema (errors are HTTP errors, before any stream starts), then gives the whole response
     or, with `stream`, its server-sent events."""
     runtime = get_runtime(request)
-    checked = endpoint.check(body, runtime)
+    # off the loop: rendering and tokenizing a prompt must not hold up other clients' streams
+    checked = await asyncio.to_thread(endpoint.check, body, runtime)
     if body.stream:
-        return StreamingResponse(endpoint.stream(body, runtime, checked), media_type="text/event-stream",
+        return StreamingResponse(await endpoint.stream(body, runtime, checked), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     return await endpoint.complete(body, runtime, checked, request)
 
@@ -135,15 +152,19 @@ async def get_model(model_id: str, request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    if request.app.state.runtime is not None:
+    runtime = request.app.state.runtime
+    if runtime is not None and not runtime.link.dead:
         return {"status": "ok"}
-    error = request.app.state.load_error
+    error = runtime.link.dead if runtime is not None else request.app.state.load_error
     return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    m, runtime = request.app.state.metrics, request.app.state.runtime
+    if runtime is not None:
+        m.engine = await runtime.link.stats()  # None (no engine figures) if it does not answer
+    return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 # every method a client may send (QUERY: the draft safe method with a body)
@@ -169,14 +190,18 @@ for _path in ("/health", "/metrics"):
 
 
 def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None = None) -> FastAPI:
-    """The whole server. `loader(metrics) -> Runtime` replaces loading settings.model_dir (tests)."""
+    """One front end. `loader(metrics) -> Runtime` replaces starting or reaching the engine process
+    (tests: Runtime.in_process, to reach into the engine)."""
     metrics = Metrics()
 
     def load() -> Runtime:
         if loader is not None:
             return loader(metrics)
-        return Runtime.load(settings.model_dir, metrics, settings.device, settings.max_batch,
-                            settings.max_queue, settings.model_id)
+        fields = {"model_id": settings.model_id, "stream_interval": settings.stream_interval}
+        if settings.engine_address:
+            return Runtime.connect(settings.engine_address, settings.engine_authkey, metrics, **fields)
+        return Runtime.spawn(settings.model_dir, metrics, settings.device, settings.max_batch,
+                             settings.max_queue, **fields)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

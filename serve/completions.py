@@ -36,8 +36,13 @@ class Prompt:
 def check(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
     """Everything a schema cannot say; returns the prompts."""
     serving.check_common(req, runtime)
-    tok, out = runtime.tokenizer, []
+    tok, out, room = runtime.tokenizer, [], 0 if req.max_tokens == 0 else 1
     for k, p in enumerate(req.prompts()):
+        fewest = 1 + runtime.fewest_tokens([p]) if isinstance(p, str) else 0
+        if fewest + room > runtime.context_len:  # found without tokenizing (a 1 MB prompt takes seconds)
+            raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; prompt {k} "
+                                f"has at least {fewest} tokens. Please shorten the prompt.", "prompt",
+                           "context_length_exceeded")
         where = "prompt" if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else f"prompt[{k}]"
         if isinstance(p, str):
             out.append(Prompt([tok.bos_id] + tok.encode(p), p, 1))
@@ -47,7 +52,6 @@ def check(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
             raise APIError(400, f"Invalid value for '{where}': token {bad} is outside the vocabulary "
                                 f"(0..{runtime.vocab_size - 1})", where, "invalid_value")
         out.append(Prompt(list(p), tok.decode(list(p)), 0))
-    room = 0 if req.max_tokens == 0 else 1
     for k, p in enumerate(out):
         if len(p.ids) + room > runtime.context_len:
             raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; prompt {k} "
@@ -56,11 +60,11 @@ def check(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
     return out
 
 
-def _streams(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> list[TextStream]:
+async def _streams(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> list[TextStream]:
     scored = req.logprobs if req.echo else None  # the prompt's logprobs only when they are shown
     jobs = [(p.ids, serving.sampling(req, runtime, j, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=scored))
             for p in prompts for j in range(req.n)]
-    return serving.open_streams(runtime, jobs, req.stop_list(), "prompt", chat=False)
+    return await serving.open_streams(runtime, jobs, req.stop_list(), "prompt", chat=False)
 
 
 class _Logprobs:
@@ -115,8 +119,9 @@ def _response(req: CompletionRequest, runtime: Runtime, choices, usage=None, cid
 
 
 async def complete(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt], raw: Request) -> Completion:
-    streams = _streams(req, runtime, prompts)
+    streams = await _streams(req, runtime, prompts)
     texts = await serving.collect(streams, raw)
+    serving.check_failed(streams)
     choices = []
     for c, (text, s) in enumerate(zip(texts, streams)):
         p = prompts[c // req.n]
@@ -129,18 +134,22 @@ async def complete(req: CompletionRequest, runtime: Runtime, prompts: list[Promp
     return _response(req, runtime, choices, _usage(prompts, streams))
 
 
-def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> AsyncIterator[str]:
+async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> AsyncIterator[str]:
     """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator. With
     echo, a choice's first chunk is its prompt (and the prompt's logprobs)."""
-    streams = _streams(req, runtime, prompts)
+    streams = await _streams(req, runtime, prompts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     builders = [_Logprobs(runtime) for _ in streams]
     echoed = [not req.echo] * len(streams)
 
+    exclude = {"usage"} if not include_usage else None
+
     def chunk(choices, usage=None) -> str:
-        body = _response(req, runtime, choices, usage, cid, created)
-        return serving.sse(body, exclude={"usage"} if not include_usage else None)
+        return serving.sse(_response(req, runtime, choices, usage, cid, created), exclude)
+
+    text = serving.TextChunks(lambda c, t: _response(req, runtime, [CompletionChoice(index=c, text=t)], None, cid,
+                                                     created), exclude)
 
     def choice(c: int, text: str, finish: bool = False) -> CompletionChoice:
         s = streams[c]
@@ -153,13 +162,21 @@ def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> A
         # merged() frees every row when it ends, normally or because the client went away
         async with contextlib.aclosing(serving.merged(streams)) as pieces:
             async for c, piece in pieces:
+                if streams[c].finish_reason == "error":
+                    yield serving.FAILED_EVENT
+                    break
                 if not echoed[c]:  # the prompt's logprobs are in: they precede every token
                     echoed[c] = True
                     p = prompts[c // req.n]
                     logprobs = builders[c].prompt(p, streams[c]) if req.logprobs is not None else None
                     yield chunk([CompletionChoice(index=c, text=p.echo, logprobs=logprobs)])
-                yield chunk([choice(c, "", finish=True) if piece is None else choice(c, piece)])
-        if include_usage:
+                if piece is None:
+                    yield chunk([choice(c, "", finish=True)])
+                elif req.logprobs is None:
+                    yield text(c, piece)
+                else:
+                    yield chunk([choice(c, piece)])
+        if include_usage and not any(s.finish_reason == "error" for s in streams):
             yield chunk([], _usage(prompts, streams))
         yield "data: [DONE]\n\n"
 

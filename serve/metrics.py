@@ -1,9 +1,18 @@
-"""Prometheus metrics of one server, on their own registry (so several apps can live in one process)."""
+"""Prometheus metrics of one server, on their own registry (so several apps can live in one process).
+
+Requests, tokens and time to first token are counted by each front end; with several front-end
+processes `sparkchat serve` sets PROMETHEUS_MULTIPROC_DIR and any front end's /metrics adds them all up
+(prometheus_client's multiprocess mode). The engine's figures come from the engine process itself,
+asked at each scrape (`engine`: its latest answer)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class Metrics:
@@ -16,34 +25,38 @@ class Metrics:
         self.ttft = Histogram("sparkchat_time_to_first_token_seconds",
                               "From a request's submission to its first generated token", registry=r,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-        self.queue_depth = Gauge("sparkchat_queue_depth", "Requests waiting for a batch row", registry=r)
-        self.active = Gauge("sparkchat_active_sequences", "Sequences in the running batch", registry=r)
-        # totals read from the engine when scraped (a Counter cannot be read from a function)
-        self.steps = Gauge("sparkchat_decode_steps", "Decode steps run since start (a total: completion "
-                           "tokens per step is the mean batch)", registry=r)
-        self.engine_cpu = Gauge("sparkchat_engine_cpu_seconds", "CPU time of the engine's scheduler thread "
-                                "since start (near wall time: the host, not the device, sets the pace)", registry=r)
-        self.loaded = Gauge("sparkchat_model_loaded", "1 once the model is loaded", registry=r)
-
-    def watch_engine(self, engine) -> None:
-        self.queue_depth.set_function(lambda: engine.queue_depth)
-        self.active.set_function(lambda: engine.num_active)
-        self.steps.set_function(lambda: engine.steps)
-        self.engine_cpu.set_function(lambda: engine.cpu_seconds)
-        self.registry.register(_EngineStepCPU(engine))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class _EngineStepCPU:
-    """sparkchat_engine_step_cpu_seconds_total: CPU seconds (time.thread_time) the engine's thread spent
-    inside its steps. A counter read from the engine when scraped (a prometheus Counter cannot be read
-    from a function); bench/serve_gpu.py takes it from the server's process-tree CPU."""
-
-    def __init__(self, engine):
-        self.engine = engine
+        self.loaded = False
+        self.engine: dict | None = None  # the engine's counters at the last scrape (EngineLink.stats)
+        r.register(self)
 
     def collect(self):
-        yield CounterMetricFamily("sparkchat_engine_step_cpu_seconds", "CPU seconds the engine's thread spent "
-                                  "inside its steps since start", value=self.engine.step_cpu_seconds)
+        """The engine's figures and whether it is loaded, as gauges and counters read at the scrape."""
+        yield GaugeMetricFamily("sparkchat_model_loaded", "1 once the model is loaded", value=int(self.loaded))
+        e = self.engine
+        if e is None:
+            return
+        yield GaugeMetricFamily("sparkchat_queue_depth", "Requests waiting for a batch row", value=e["queue_depth"])
+        yield GaugeMetricFamily("sparkchat_active_sequences", "Sequences in the running batch", value=e["num_active"])
+        yield GaugeMetricFamily("sparkchat_decode_steps", "Decode steps run since start (a total: completion "
+                                "tokens per step is the mean batch)", value=e["steps"])
+        yield GaugeMetricFamily("sparkchat_engine_cpu_seconds", "CPU time of the engine's scheduler thread since "
+                                "start (near wall time: the host, not the device, sets the pace)", value=e["cpu_seconds"])
+        yield CounterMetricFamily("sparkchat_engine_step_cpu_seconds", "CPU time (time.thread_time) the engine's "
+                                  "scheduler thread spent inside engine steps, not in handing their tokens on or "
+                                  "waiting for work", value=e["step_cpu_seconds"])
+
+    def render(self) -> bytes:
+        if not os.environ.get(MULTIPROC_ENV):
+            return generate_latest(self.registry)
+        every = CollectorRegistry()  # this process's counters come from the shared files too
+        multiprocess.MultiProcessCollector(every)
+        every.register(_Engine(self))
+        return generate_latest(every)
+
+
+class _Engine:
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        return self.metrics.collect()

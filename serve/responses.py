@@ -178,14 +178,13 @@ class ResponseObject(BaseModel):
 def check(req: ResponsesRequest, runtime: Runtime) -> list[int]:
     """Everything the schema cannot say; returns the prompt ids."""
     serving.check_supported(req, runtime)
+    messages = req.messages()
+    serving.check_length(runtime, runtime.fewest_tokens(m["content"] for m in messages), "input", "at least ")
     try:
-        ids = runtime.render(req.messages())
+        ids = runtime.render(messages)
     except ChatFormatError as e:
         raise APIError(400, str(e), "input") from None
-    if len(ids) >= runtime.context_len:
-        raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; your input "
-                            f"resulted in {len(ids)} tokens, leaving no room for a reply. Please shorten the input.",
-                       "input", "context_length_exceeded")
+    serving.check_length(runtime, len(ids), "input")
     return ids
 
 
@@ -197,11 +196,15 @@ class _Run:
             self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens)
         except ValueError as e:  # a value out of range
             raise APIError(400, str(e)) from None
-        # submitted now, so a full queue or a prompt the engine refuses is an HTTP error, not a broken stream
-        self.stream: TextStream = serving.open_streams(runtime, [(prompt, self.params)], [], "input")[0]
+        self.stream: TextStream | None = None
         self.req, self.runtime, self.prompt = req, runtime, prompt
         self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    async def submit(self) -> "_Run":
+        """Submit now, so a full queue or a prompt the engine refuses is an HTTP error, not a broken stream."""
+        self.stream = (await serving.open_streams(self.runtime, [(self.prompt, self.params)], [], "input"))[0]
+        return self
 
     @property
     def status(self) -> str:
@@ -229,14 +232,14 @@ class _Run:
 
 
 async def complete(req: ResponsesRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ResponseObject:
-    run = _Run(req, runtime, prompt)
+    run = await _Run(req, runtime, prompt).submit()
     text, = await serving.collect([run.stream], raw)
     return run.response(text)
 
 
-def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
+async def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
     """Open the stream now (so errors become HTTP errors), then return the SSE event iterator."""
-    run = _Run(req, runtime, prompt)
+    run = await _Run(req, runtime, prompt).submit()
     numbers = itertools.count()
     where = {"item_id": run.message_id, "output_index": 0, "content_index": 0}
 

@@ -1,39 +1,40 @@
-"""The loaded model as the server uses it: tokenizer + engine + defaults, and text streams over it.
+"""The model as a front end uses it: tokenizer + defaults + the link to the engine, and text streams.
 
 This is the one place where text meets token ids. `Runtime.open_stream` renders nothing itself: it takes
 prompt ids (rendered by model.chat, the training renderer), submits them to the engine and returns a
 `TextStream`, an async iterator of the reply's words (model.chat.ReplyReader: whole UTF-8 pieces, no
 tool calls, no answer marker), cut at any stop string; its `tool_uses` and `parts` (the reply as
 trained, for the history) fill in as it goes. Both the OpenAI routes and the Gradio page read
-generations through it, in-process.
+generations through it.
+
+The engine runs in a process of its own (serve.engine_proc), reached through serve.engine_link; a
+Runtime built `in_process` runs it in a thread of this process instead, over the same channel (tests,
+and callers that want to reach into the engine). A stream reads what arrived since it last read as one
+piece: a stream that fell behind catches up in one SSE event, not one per token.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import multiprocessing
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
-import torch
+from tokenizers import Tokenizer
 
 from model.chat import ReplyReader, ToolUse, cut_parts, render
-from model.chat_engine import chat_engine, sampling_params
-from model.engine import Engine, Finished, PromptLogprobs, SamplingParams, Token
-from model.model_dir import load_model_dir
+from model.chat_engine import sampling_params
+from model.engine import Engine, PromptLogprobs, SamplingParams, Token
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
+from .engine_link import EngineLink
+from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, load_engine
 from .metrics import Metrics
 
 log = logging.getLogger("sparkchat.serve")
-
-
-def pick_device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class PlainReader:
@@ -61,85 +62,105 @@ class PlainReader:
         return [{"type": "text", "text": self.words}] if self.words else []
 
 
-class _Handoff:
-    """Engine events to one event loop's stream queues, a batch per wake-up of the loop. The engine
-    thread emits one event per row per step; a wake-up each (call_soon_threadsafe: a pipe write) cost
-    that thread, which must launch the next step, several times the CPU (bench/serve_path.py). The
-    first event into an empty batch schedules the flush; the rest of that step's rows join the batch."""
+class Wake:
+    """Wakes the one task that reads a request's streams (`merged`) when any of them gets events: a bare
+    future, set at most once a wait (an asyncio.Event plus wait_for cost more, once a token a stream)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lock, self.pending = loop, threading.Lock(), []
+    def __init__(self):
+        self.waiter: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
-    def put(self, queue: asyncio.Queue, ev) -> None:  # engine thread
-        with self.lock:
-            self.pending.append((queue, ev))
-            if len(self.pending) > 1:
-                return  # a flush is already scheduled
-        self.loop.call_soon_threadsafe(self._flush)
+    def set(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
-    def _flush(self) -> None:  # the loop
-        with self.lock:
-            batch, self.pending = self.pending, []
-        for queue, ev in batch:
-            queue.put_nowait(ev)
+    def set_at(self, when: float) -> None:
+        """Wake the reader at loop time `when` (events that may not go out before), if it waits longer."""
+        if self.waiter is not None and (self.timer is None or self.timer.when() > when):
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = asyncio.get_running_loop().call_at(when, self.set)
 
-
-_handoffs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Handoff]" = weakref.WeakKeyDictionary()
-
-
-def loop_handoff(loop: asyncio.AbstractEventLoop) -> _Handoff:
-    if loop not in _handoffs:
-        _handoffs[loop] = _Handoff(loop)
-    return _handoffs[loop]
+    async def wait(self, until: float | None = None) -> None:
+        """Until set, or until loop time `until`."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        if until is not None:
+            self.set_at(until)
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
 
 
 class TextStream:
-    """One generation as async text: iterate it for the words. A piece is also yielded (possibly "")
-    when a tool use completes, which is then in `tool_uses`. Afterwards `finish_reason` ('stop' or
-    'length'), `prompt_tokens`, `completion_tokens` and `parts` (the reply as content parts, cut where
-    a stop string cut the words) are set. `cancel()` frees the engine row at once.
-    When the params ask for logprobs, `prompt_logprobs` and `tokens` (the Token events, with their
-    logprobs: every generated id, calculator and answer line included) fill in as pieces come;
-    `take_tokens()` gives those since its last call. `chat=False` (/v1/completions) reads the ids as
-    plain text, special ids left out, as vLLM does by default."""
+    """One generation as async text: iterate it for the words (or read several with `merged`). A piece
+    is also yielded (possibly "") when a tool use completes, which is then in `tool_uses`. Afterwards
+    `finish_reason` ('stop', 'length', 'error' or 'cancelled'), `prompt_tokens`, `completion_tokens` and
+    `parts` (the reply as content parts, cut where a stop string cut the words) are set. `cancel()`
+    frees the engine row at once.
+    When the params ask for logprobs, `prompt_logprobs` and `tokens` (every generated id with its
+    logprobs, calculator and answer line included) fill in as pieces come; `take_tokens()` gives those
+    since its last call. `chat=False` (/v1/completions) reads the ids as plain text, special ids left
+    out, as vLLM does by default. Streams of one request share `wake`, set when any of them gets events.
+    `interval`: the least seconds between two pieces (the events in between join the next)."""
 
-    def __init__(self, runtime: "Runtime", prompt: list[int], params: SamplingParams, stop: list[str],
-                 chat: bool = True):
+    def __init__(self, runtime: "Runtime", prompt_len: int, stop: list[str], chat: bool = True,
+                 wake: Wake | None = None):
         self.runtime = runtime
-        self.handoff = loop_handoff(asyncio.get_running_loop())
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.wake = wake or Wake()
+        self.pending: list[tuple] = []  # events from the engine not read yet
         self.reader = ReplyReader(runtime.tokenizer) if chat else PlainReader(runtime.tokenizer)
         self.tool_uses: list[ToolUse] = self.reader.tool_uses
         self.stop = [s for s in stop if s]
         self.held = ""  # decoded text not yet released (could be the start of a stop string)
         self.shown = 0  # characters of words released
         self.cut: int | None = None  # where a stop string cut the words
-        self.prompt_tokens = len(prompt)
+        self.prompt_tokens = prompt_len
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.tokens: list[Token] = []  # kept only when logprobs were asked
         self._taken = 0
+        self.rid: int | None = None
+        self.interval, self.next_at = runtime.stream_interval, 0.0
         self.t0 = time.perf_counter()
-        self.request = runtime.engine.submit(prompt, params, self._sink)  # may raise QueueFull
-        runtime.metrics.prompt_tokens.inc(len(prompt))
 
-    def _sink(self, ev) -> None:  # engine thread
-        self.handoff.put(self.queue, ev)
+    async def submit(self, prompt: list[int], params: SamplingParams) -> "TextStream":
+        self.rid = await self.runtime.link.submit(prompt, params, self)  # may raise QueueFull, ...
+        self.runtime.metrics.prompt_tokens.inc(len(prompt))
+        return self
+
+    def push(self, ev: tuple) -> None:  # the link's events, on the loop
+        self.pending.append(ev)
+        self.wake.set()
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)
         return new
 
     def cancel(self) -> None:
+        """Free the engine row now; the stream then ends (as 'stop', as if the model had)."""
+        if self.finish_reason is None and self.rid is not None and self.rid in self.runtime.link.streams:
+            self.runtime.link.cancel(self.rid)
+            self.push((self.rid, FINISH, "cancelled", self.completion_tokens, None))
+
+    def close(self) -> None:
+        """The consumer went away (client disconnect, stop button): cancel, and count it as cancelled."""
         if self.finish_reason is None:
-            self.runtime.engine.cancel(self.request)
+            self.cancel()
+            self._end("cancelled")
 
     def _end(self, reason: str) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.runtime.metrics.completion_tokens.inc(self.completion_tokens)
+            if not self.reader.done:  # a stop string ended it: the parts read so far are complete
+                self.reader.finish()
 
     def _release(self, text: str, final: bool) -> str:
         """Append decoded text; return what may be shown now (stop strings cut, ends held back)."""
@@ -165,90 +186,160 @@ class TextStream:
         self.shown += len(buf) - keep
         return buf[:len(buf) - keep]
 
-    def _read(self, events: list, final: bool) -> tuple[str, bool]:
-        """ReplyReader events -> (words to show, whether a tool use completed)."""
-        words = "".join(e for e in events if isinstance(e, str))
-        return self._release(words, final), any(isinstance(e, ToolUse) for e in events)
-
     @property
     def parts(self) -> list[dict]:
         """The reply as content parts: render() gives back its ids (up to a stop string's cut)."""
         parts = self.reader.parts
         return parts if self.cut is None else cut_parts(parts, self.cut)
 
+    def due(self, now: float) -> bool:
+        """Events are waiting and may go out now (the interval has passed, or the stream has ended)."""
+        return bool(self.pending) and (now >= self.next_at or self.pending[-1][1] == FINISH)
+
+    def take(self) -> str | None:
+        """Read every pending event: the words they make, as one piece ("" when only a tool use
+        completed), or None when they show nothing yet."""
+        events, self.pending = self.pending, []
+        out, used, reader = [], False, self.reader
+        for ev in events:
+            if self.finish_reason is not None:
+                break
+            kind = ev[1]
+            if kind >= 0:  # a token
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                    self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
+                self.completion_tokens += 1
+                if len(ev) > 2:
+                    self.tokens.append(Token(kind, logprob=ev[2], top=ev[3]))
+                new = reader.push(kind)
+                final = False
+            elif kind == PROMPT:
+                self.prompt_logprobs = PromptLogprobs(ev[2], ev[3])
+                continue
+            else:  # FINISH
+                if ev[2] == "error":
+                    log.error("generation failed: %s", ev[4])
+                new, final = reader.finish(), True
+            if new:
+                words = "".join(e for e in new if isinstance(e, str))
+                used = used or any(isinstance(e, ToolUse) for e in new)
+                out.append(self._release(words, final) if words or final else "")
+            elif final:
+                out.append(self._release("", True))
+            if kind == FINISH:
+                self._end("stop" if ev[2] in ("stop", "cancelled") else ev[2])
+        if self.interval:
+            self.next_at = asyncio.get_running_loop().time() + self.interval
+        piece = "".join(out)
+        return piece if piece or used else None
+
     def __aiter__(self):
         return self._pieces()
 
     async def _pieces(self):
-        try:
-            while self.finish_reason is None:
-                events = [await self.queue.get()]
-                while not self.queue.empty():  # coalesce what arrived meanwhile into one piece
-                    events.append(self.queue.get_nowait())
-                out, used = [], False
-                for ev in events:
-                    if isinstance(ev, Token):
-                        if self.first_token_at is None:
-                            self.first_token_at = time.perf_counter()
-                            self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
-                        self.completion_tokens += 1
-                        if ev.logprob is not None:
-                            self.tokens.append(ev)
-                        words, tool = self._read(self.reader.push(ev.id), final=False)
-                    elif isinstance(ev, PromptLogprobs):
-                        self.prompt_logprobs = ev
-                        continue
-                    else:  # Finished
-                        if ev.reason == "error":
-                            log.error("generation failed: %s", ev.error)
-                        words, tool = self._read(self.reader.finish(), final=True)
-                        self._end("stop" if ev.reason in ("stop", "cancelled") else ev.reason)
-                    out.append(words)
-                    used = used or tool
-                    if self.finish_reason is not None:
-                        break
-                piece = "".join(out)
-                if piece or used:
+        async with contextlib.aclosing(merged([self])) as pieces:
+            async for _, piece in pieces:
+                if piece is not None:
                     yield piece
-            if not self.reader.done:  # a stop string ended it: the parts read so far are complete
-                self.reader.finish()
-        finally:
-            if self.finish_reason is None:  # the consumer went away (client disconnect, stop button)
-                self.cancel()
-                self._end("cancelled")
+
+
+async def merged(streams: list[TextStream]):
+    """(stream index, text piece) as pieces come from any stream, then (index, None) when one ends.
+    Right after a piece, that stream's `take_tokens()` gives the tokens it came from. Every stream's
+    events since its last piece make one piece, so a reader that fell behind gets fewer, larger ones.
+    Ending early (the client went away) cancels every stream still running."""
+    loop, wake, left = asyncio.get_running_loop(), streams[0].wake, set(range(len(streams)))
+    try:
+        while left:
+            now, soonest, moved = loop.time(), None, False
+            for i in sorted(left):
+                s = streams[i]
+                if not s.due(now):
+                    if s.pending:
+                        soonest = s.next_at if soonest is None else min(soonest, s.next_at)
+                    continue
+                moved = True
+                piece = s.take()
+                if piece is not None:
+                    yield i, piece
+                if s.finish_reason is not None:
+                    left.discard(i)
+                    yield i, None
+            if not moved:  # no await since the scan: every event pushed meanwhile was seen
+                await wake.wait(soonest)
+    finally:
+        for s in streams:
+            s.close()
 
 
 @dataclass
 class Runtime:
-    model: torch.nn.Module
     tokenizer: SparkTokenizer
-    engine: Engine
+    link: EngineLink
     defaults: dict
     metrics: Metrics
     model_id: str = MODEL_ID
+    stream_interval: float = 0.0
+    """Least seconds between two pieces of one stream (0: each as soon as it is there)."""
+    engine: Engine | None = None
+    """The engine itself, when it runs in this process (`in_process`); else None."""
+    process: EngineProcess | None = None
+    """The engine process this runtime started (and stops on close), if any."""
+
+    def __post_init__(self):
+        # a prompt of B UTF-8 bytes has at least B / longest token ids: a prompt that long is refused
+        # before it is tokenized (a 1 MB prompt would hold the loop, GIL included, for seconds)
+        self.max_token_bytes = max(1, max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size)))
 
     @classmethod
-    def load(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
-             max_queue: int = MAX_QUEUE, model_id: str = MODEL_ID) -> "Runtime":
-        dev = pick_device(device)
-        dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-        t = time.perf_counter()
-        model, tok, gen = load_model_dir(model_dir, dev, dtype)
-        engine = chat_engine(model, tok, gen, max_batch=max_batch, max_queue=max_queue)
-        metrics.watch_engine(engine)
-        metrics.loaded.set(1)
-        log.info("loaded %s on %s (%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
-                 time.perf_counter() - t, model.num_params() / 1e6, engine.max_len)
-        return cls(model, tok, engine, gen, metrics, model_id)
+    def over(cls, link: EngineLink, metrics: Metrics, **fields) -> "Runtime":
+        """A runtime over an open link (its hello gives the tokenizer and defaults)."""
+        tok = SparkTokenizer(Tokenizer.from_str(link.info["tokenizer"]))
+        return cls(tok, link, link.info["defaults"], metrics, **fields)
+
+    @classmethod
+    def connect(cls, address: str, authkey: bytes, metrics: Metrics, **fields) -> "Runtime":
+        """Over the engine process listening at `address` (`sparkchat serve`'s front ends)."""
+        return cls.over(EngineLink.open(connect(address, authkey)), metrics, **fields)
+
+    @classmethod
+    def spawn(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
+              max_queue: int = MAX_QUEUE, **fields) -> "Runtime":
+        """Start an engine process of its own (stopped on close) and connect to it."""
+        proc = EngineProcess(model_dir, device, max_batch, max_queue)
+        try:
+            link = EngineLink.open(connect(proc.address, proc.authkey, proc.process))
+        except BaseException:
+            proc.stop()
+            raise
+        return cls.over(link, metrics, process=proc, **fields)
+
+    @classmethod
+    def in_process(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
+                   max_queue: int = MAX_QUEUE, **fields) -> "Runtime":
+        """The engine in a thread of this process, over the same channel (a pipe)."""
+        engine, info = load_engine(model_dir, device, max_batch, max_queue)
+        ours, theirs = multiprocessing.Pipe()
+        threading.Thread(target=EngineHost(engine, info).serve, args=(theirs,), daemon=True).start()
+        return cls.over(EngineLink.open(ours), metrics, engine=engine, **fields)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> "Runtime":
+        self.link.start(loop)
+        return self
 
     @property
     def context_len(self) -> int:
-        return self.engine.max_len
+        return self.link.info["context_len"]
 
     @property
     def vocab_size(self) -> int:
         """Ids the model takes (its embedding rows; may exceed the tokenizer's)."""
-        return self.engine.vocab_size
+        return self.link.info["vocab_size"]
+
+    def fewest_tokens(self, texts) -> int:
+        """A floor on the ids `texts` encode to, without encoding them (see __post_init__)."""
+        return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_token_bytes
 
     def render(self, messages: list[dict]) -> list[int]:
         """Prompt ids for `messages`, by the training renderer. Raises model.chat.ChatFormatError."""
@@ -259,10 +350,14 @@ class Runtime:
                  **extras) -> SamplingParams:
         return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed, **extras)
 
-    def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
-                    chat: bool = True) -> TextStream:
-        """Submit now (raises QueueFull / PromptTooLong at once); iterate the result for text."""
-        return TextStream(self, prompt, params, stop or [], chat)
+    async def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
+                          chat: bool = True, wake: Wake | None = None) -> TextStream:
+        """Submit now (raises QueueFull / PromptTooLong / EngineStopped); iterate the result for text."""
+        return await TextStream(self, len(prompt), stop or [], chat, wake).submit(prompt, params)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self.link.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.process is not None:
+            self.process.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from typing import AsyncIterator
@@ -20,8 +21,8 @@ from model.chat import ChatFormatError, content_text, display_words
 from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
-from .errors import APIError
-from .runtime import Runtime, TextStream
+from .errors import APIError, error_body
+from .runtime import Runtime, TextStream, Wake, merged
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
@@ -65,15 +66,25 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     check_common(req, runtime)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
     try:
-        ids = runtime.render([_message(i, m) for i, m in enumerate(req.messages)])
+        check_length(runtime, runtime.fewest_tokens(content_text(m["content"]) for m in messages), "messages",
+                     "at least ")
+        ids = runtime.render(messages)
     except ChatFormatError as e:
         raise APIError(400, str(e), "messages") from None
-    if len(ids) >= runtime.context_len:
-        raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; your "
-                            f"messages resulted in {len(ids)} tokens, leaving no room for a reply. Please "
-                            f"shorten the messages.", "messages", "context_length_exceeded")
+    check_length(runtime, len(ids), "messages")
     return ids
+
+
+def check_length(runtime: Runtime, tokens: int, param: str, floor: str = "") -> None:
+    """A prompt of `tokens` (`floor`: "at least " when that is a bound found without tokenizing) must
+    leave room for a reply."""
+    if tokens >= runtime.context_len:
+        what = {"messages": "your messages resulted in", "input": "your input resulted in"}[param]
+        raise APIError(400, f"This model's maximum context length is {runtime.context_len} tokens; {what} "
+                            f"{floor}{tokens} tokens, leaving no room for a reply. Please shorten the {param}.",
+                       param, "context_length_exceeded")
 
 
 def _message(i: int, m: ChatMessage) -> dict:
@@ -105,13 +116,15 @@ def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | No
         raise APIError(400, str(e)) from None
 
 
-def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]], stop: list[str],
-                 prompt_param: str = "messages", chat: bool = True) -> list[TextStream]:
-    """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors."""
+async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]], stop: list[str],
+                       prompt_param: str = "messages", chat: bool = True) -> list[TextStream]:
+    """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors. The
+    streams share one wake-up event (`merged` reads them together)."""
     streams: list[TextStream] = []
+    wake = Wake()
     try:
         for prompt, params in jobs:
-            streams.append(runtime.open_stream(prompt, params, stop, chat))
+            streams.append(await runtime.open_stream(prompt, params, stop, chat, wake))
     except (QueueFull, EngineStopped) as e:
         for s in streams:
             s.cancel()
@@ -130,10 +143,10 @@ def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]],
     return streams
 
 
-def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
+async def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs)) for i in range(req.n)]
-    return open_streams(runtime, jobs, req.stop_list())
+    return await open_streams(runtime, jobs, req.stop_list())
 
 
 def token_str(b: bytes) -> str:
@@ -160,6 +173,17 @@ def finish_reason(s: TextStream) -> str:
     return "length" if s.finish_reason == "length" else "stop"
 
 
+FAILED = "The model failed while generating (the server's log says why)"
+# what a stream sends when its generation failed, then [DONE] (as vLLM does; the openai package raises it)
+FAILED_EVENT = f"data: {json.dumps(error_body(500, FAILED, code='engine_error'))}\n\n"
+
+
+def check_failed(streams: list[TextStream]) -> None:
+    """A whole response whose generation failed (the engine's error, or the engine process gone) is a 500."""
+    if any(s.finish_reason == "error" for s in streams):
+        raise APIError(500, FAILED, code="engine_error")
+
+
 def _usage(prompt: list[int], streams: list[TextStream]) -> Usage:
     done = sum(s.completion_tokens for s in streams)
     return Usage(prompt_tokens=len(prompt), completion_tokens=done, total_tokens=len(prompt) + done)
@@ -177,53 +201,45 @@ async def _watch_disconnect(raw: Request, streams: list[TextStream]) -> None:
 async def collect(streams: list[TextStream], raw: Request) -> list[str]:
     """Every stream's whole text; a client that goes away cancels them all."""
     watcher = asyncio.create_task(_watch_disconnect(raw, streams))
-
-    async def text(s: TextStream) -> str:
-        return "".join([piece async for piece in s])
-
+    texts = [[] for _ in streams]
     try:
-        return list(await asyncio.gather(*(text(s) for s in streams)))
+        async with contextlib.aclosing(merged(streams)) as pieces:
+            async for i, piece in pieces:
+                if piece:
+                    texts[i].append(piece)
+        return ["".join(t) for t in texts]
     finally:
         watcher.cancel()
-        for s in streams:
-            s.cancel()
-
-
-async def merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, str | None]]:
-    """(stream index, text piece) as pieces come from any stream, then (index, None) when one ends.
-    Right after a piece, that stream's `take_tokens()` gives the tokens it came from."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: TextStream):
-        try:
-            async for piece in s:
-                await queue.put((i, piece))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, piece = await queue.get()
-            left -= piece is None
-            yield i, piece
-    finally:  # normal end, or the client went away: free every row now
-        for s in streams:
-            s.cancel()
-        for t in tasks:
-            t.cancel()
 
 
 def sse(message: BaseModel, exclude: set[str] | None = None) -> str:
-    """One server-sent event; pydantic's own JSON writer (not model_dump then json.dumps: a chunk per
-    token per stream makes this the server's hottest line)."""
+    """One server-sent event, by pydantic's own JSON writer (the rarer events: see TextChunks)."""
     return f"data: {message.model_dump_json(exclude=exclude)}\n\n"
 
 
+class TextChunks:
+    """The per-token event, `data: {...}` of a chunk whose only news is a choice's text, without a
+    pydantic object per chunk: the chunk's JSON is written once (`template`, built with a marker as the
+    text) and each event is its two halves around json.dumps of the text. The same JSON as sse() writes
+    for that chunk (tests parse both with the openai package)."""
+    MARK = "\x00sparkchat-text\x00"
+
+    def __init__(self, template, exclude: set[str] | None = None):
+        """template(index, text) -> the pydantic chunk for choice `index` with `text`; `exclude` as sse's."""
+        self.template, self.exclude, self.halves = template, exclude, {}
+
+    def __call__(self, index: int, text: str) -> str:
+        halves = self.halves.get(index)
+        if halves is None:
+            whole = sse(self.template(index, self.MARK), self.exclude)
+            halves = self.halves[index] = whole.split(json.dumps(self.MARK), 1)
+        return halves[0] + json.dumps(text, ensure_ascii=False) + halves[1]
+
+
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
-    streams = _chat_streams(req, runtime, prompt)
+    streams = await _chat_streams(req, runtime, prompt)
     texts = await collect(streams, raw)
+    check_failed(streams)
     choices = [Choice(index=i, message=AssistantMessage(content=t, sparkchat_parts=s.parts), finish_reason=finish_reason(s),
                       logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
                for i, (t, s) in enumerate(zip(texts, streams))]
@@ -231,15 +247,18 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
                           choices=choices, usage=_usage(prompt, streams))
 
 
-def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
+async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
     """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator."""
-    streams = _chat_streams(req, runtime, prompt)
+    streams = await _chat_streams(req, runtime, prompt)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices, usage=None) -> str:
         c = ChatCompletionChunk(id=cid, created=created, model=runtime.model_id, choices=choices, usage=usage)
         return sse(c, exclude={"usage"} if not include_usage else None)
+
+    text = TextChunks(lambda i, t: ChatCompletionChunk(id=cid, created=created, model=runtime.model_id, choices=[
+        ChunkChoice(index=i, delta=Delta(content=t))]), exclude={"usage"} if not include_usage else None)
 
     def logprobs(s: TextStream) -> ChoiceLogprobs | None:
         tokens = s.take_tokens() if req.logprobs else []
@@ -252,14 +271,19 @@ def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> A
             async with contextlib.aclosing(merged(streams)) as pieces:
                 async for i, piece in pieces:
                     s = streams[i]
+                    if s.finish_reason == "error":
+                        yield FAILED_EVENT
+                        break
                     if piece is None:  # tokens whose text was held back (a possible stop string) come last
                         yield chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
                                                  finish_reason=finish_reason(s), logprobs=logprobs(s))])
                         continue
                     lp = logprobs(s)
-                    if piece or lp:  # "" marks a tool use: its parts come with the last chunk
+                    if lp:
                         yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
-            if include_usage:
+                    elif piece:  # "" marks a tool use: its parts come with the last chunk
+                        yield text(i, piece)
+            if include_usage and not any(s.finish_reason == "error" for s in streams):
                 yield chunk([], _usage(prompt, streams))
             yield "data: [DONE]\n\n"
         finally:  # normal end, or the client went away: free every row now

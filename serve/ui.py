@@ -1,6 +1,6 @@
 """The Gradio chat page, mounted at / on the API's own app and port.
 
-It drives the same `Runtime` (and so the same engine batch) in-process: no HTTP call to itself. The
+It drives the front end's own `Runtime` (and so the same engine batch): no HTTP call to itself. The
 reply streams as it is generated; Gradio's stop button cancels the generator, which frees the engine
 row at once (TextStream cancels on close).
 
@@ -157,7 +157,7 @@ def build_ui(app: FastAPI) -> gr.Blocks:
                     f"sees it without its {dropped} oldest messages.")
         params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=budget)
         try:
-            stream = runtime.open_stream(prompt, params)
+            stream = await runtime.open_stream(prompt, params)
         except (QueueFull, EngineStopped) as e:
             raise gr.Error(f"The server is busy ({e}); try again shortly.")
         words = ""

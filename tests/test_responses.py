@@ -134,7 +134,7 @@ class BrokenModel:
 
 def test_an_engine_failure_is_a_failed_response(serve_start, serve_model_dir):
     def loader(metrics):
-        rt = Runtime.load(serve_model_dir, metrics, "cpu")
+        rt = Runtime.in_process(serve_model_dir, metrics, "cpu")
         rt.engine.model = BrokenModel()
         return rt
 

@@ -37,7 +37,7 @@ def ui_server(serve_start, serve_model_dir):
     from serve.runtime import Runtime
 
     def loader(metrics):  # 80 ms a token, so the reply visibly streams even on a busy machine
-        rt = Runtime.load(serve_model_dir, metrics, "cpu", max_batch=4)
+        rt = Runtime.in_process(serve_model_dir, metrics, "cpu", max_batch=4)
         rt.engine.model = SlowModel(rt.engine.model, 0.08)
         return rt
 
@@ -125,7 +125,9 @@ def test_a_tool_using_reply_and_the_next_turn(serve_start, conv_tool_model_dir, 
     heading); the next turn's prompt holds the reply as the model wrote it."""
     from model.chat import render
     from serve.api import Settings, create_app
-    server = serve_start(create_app(Settings(model_dir=conv_tool_model_dir)))
+    from serve.runtime import Runtime
+    server = serve_start(create_app(Settings(model_dir=conv_tool_model_dir),
+                                    loader=lambda metrics: Runtime.in_process(conv_tool_model_dir, metrics, "cpu")))
     runtime = server.app.state.runtime
     prompts, open_stream = [], runtime.open_stream
     runtime.open_stream = lambda prompt, *a: (prompts.append(list(prompt)), open_stream(prompt, *a))[1]

@@ -1,0 +1,148 @@
+"""A front end's side of the channel to the engine (serve.engine_proc says what travels on it).
+
+One thread reads the connection; each message it reads (an engine step's events for this front end, an
+ack, stats) reaches the event loop in one `call_soon_threadsafe`, a wake-up per step, not per token.
+There each event goes to its stream (`push`), which wakes its reader. Commands are sent from the loop.
+
+When the connection ends (the engine process died), every open stream ends with an error and `dead`
+says why: /health then fails, and the supervisor ends the server (docs/serving.md, "Faults").
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from multiprocessing.connection import Connection
+
+from model.engine import EngineError, EngineStopped, PromptTooLong, QueueFull
+
+from .engine_proc import FINISH
+
+log = logging.getLogger("sparkchat.serve")
+REFUSED = {"QueueFull": QueueFull, "PromptTooLong": PromptTooLong, "EngineStopped": EngineStopped,
+           "ValueError": ValueError}
+
+
+class EngineLink:
+    """Requests to the engine over `conn`, from one event loop. `info` is the engine's hello (context
+    length, vocabulary size, generation defaults, the tokenizer's JSON). Start it with `start(loop)`."""
+
+    def __init__(self, conn: Connection, info: dict):
+        self.conn, self.info = conn, info
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.streams: dict[int, object] = {}  # rid -> its stream (anything with push(event))
+        self.waiting: dict[int, asyncio.Future] = {}  # acks and stats answers, by rid / token
+        self.rids = itertools.count()
+        self.send_lock = threading.Lock()
+        self.dead: str | None = None
+
+    @classmethod
+    def open(cls, conn: Connection) -> "EngineLink":
+        """Read the hello (blocks until the engine has loaded). Raises RuntimeError with the engine's
+        load error."""
+        kind, info, error = conn.recv()
+        if info is None:
+            raise RuntimeError(error)
+        return cls(conn, info)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> "EngineLink":
+        self.loop = loop
+        threading.Thread(target=self._read, name="sparkchat-engine-link", daemon=True).start()
+        return self
+
+    def _read(self) -> None:  # its own thread
+        try:
+            while True:
+                self.loop.call_soon_threadsafe(self._on_message, self.conn.recv())
+        except (EOFError, OSError) as e:
+            if self.dead is None:
+                self.loop.call_soon_threadsafe(self._on_death, f"the engine process is gone ({type(e).__name__})")
+        except RuntimeError:  # the loop closed (the app shut down)
+            pass
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            streams = self.streams
+            for ev in msg[1]:
+                s = streams.get(ev[0])
+                if s is not None:
+                    if ev[1] == FINISH:
+                        del streams[ev[0]]
+                    s.push(ev)
+        else:  # ("ack", rid, refusal) or ("stats", token, stats)
+            fut = self.waiting.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+
+    def _on_death(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = why
+        log.error("%s: every open stream ends with an error", why)
+        for rid, s in list(self.streams.items()):
+            s.push((rid, FINISH, "error", 0, why))
+        self.streams.clear()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(EngineStopped(why))
+        self.waiting.clear()
+
+    def _send(self, msg) -> None:
+        if self.dead is not None:
+            raise EngineStopped(self.dead)
+        try:
+            with self.send_lock:
+                self.conn.send(msg)
+        except OSError as e:
+            self._on_death(f"the engine process is gone ({type(e).__name__})")
+            raise EngineStopped(self.dead) from None
+
+    async def _ask(self, key: int, msg) -> object:
+        fut = self.loop.create_future()
+        self.waiting[key] = fut
+        try:
+            self._send(msg)
+        except EngineStopped:
+            self.waiting.pop(key, None)
+            raise
+        return await fut
+
+    async def submit(self, prompt: list[int], params, stream) -> int:
+        """Submit a request whose events go to `stream.push`; its rid. Raises what the engine's submit
+        raised (QueueFull, PromptTooLong, EngineStopped, ValueError)."""
+        rid = next(self.rids)
+        self.streams[rid] = stream  # before the ack: the engine may send tokens first
+        try:
+            refusal = await self._ask(rid, ("submit", rid, prompt, params))
+        except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run it
+            self.cancel(rid)
+            raise
+        except EngineStopped:
+            self.streams.pop(rid, None)
+            raise
+        if refusal is not None:
+            self.streams.pop(rid, None)
+            kind, message = refusal
+            raise REFUSED.get(kind, EngineError)(message)
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        if self.streams.pop(rid, None) is not None:
+            try:
+                self._send(("cancel", rid))
+            except EngineStopped:
+                pass
+
+    async def stats(self, timeout: float = 2.0) -> dict | None:
+        """The engine's counters (queue depth, rows, steps, CPU seconds); None if it does not answer."""
+        key = -next(self.rids) - 1  # apart from the rids, in the same table
+        try:
+            return await asyncio.wait_for(self._ask(key, ("stats", key)), timeout)
+        except (EngineStopped, asyncio.TimeoutError):
+            return None
+
+    def close(self) -> None:
+        self.dead = self.dead or "closed"
+        self.conn.close()

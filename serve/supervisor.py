@@ -1,0 +1,85 @@
+"""`sparkchat serve`'s processes: the engine's, N front ends', and this one, which starts and watches them.
+
+    supervisor ── engine process (serve.engine_proc): the model, the scheduler thread, a thread per front end
+               └─ front end 1..N (serve.api under uvicorn, all accepting on the one socket bound here)
+
+Each process has its own GIL: the engine's scheduler thread is not slowed by HTTP, rendering,
+detokenizing or SSE framing, and N front ends use N cores for them. Faults (docs/serving.md, "Faults"):
+the engine process gone ends the server with exit code 1 within seconds (nothing can serve without it;
+a process manager restarts the whole); a front end gone loses only its own connections and is started
+again. Every child leaves when this process does (serve.engine_proc watches its parent).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from multiprocessing.connection import wait
+
+from .metrics import MULTIPROC_ENV
+
+log = logging.getLogger("sparkchat.serve")
+
+
+def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
+    """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .engine_proc import _exit_with_parent
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    import uvicorn
+
+    from .api import Settings, create_app
+    app = create_app(Settings(**settings))
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+
+
+def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info") -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1). `settings`:
+    serve.api.Settings' fields, less the engine's address, which this function fills in."""
+    from .engine_proc import EngineProcess
+    metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
+    engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"])
+    frontend = {**settings, "engine_address": engine.address, "engine_authkey": engine.authkey}
+    ctx = multiprocessing.get_context("spawn")
+
+    def start(i: int):
+        p = ctx.Process(target=frontend_main, args=(frontend, sock, log_level), name=f"sparkchat-frontend-{i}")
+        p.start()
+        return p
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    frontends = [start(i) for i in range(api_servers)]
+    code = 0
+    try:
+        while not stop.is_set():
+            wait([engine.process.sentinel] + [p.sentinel for p in frontends], timeout=0.2)
+            if stop.is_set():
+                break
+            if not engine.process.is_alive():
+                log.error("the engine process exited (code %s): stopping the server", engine.process.exitcode)
+                code = 1
+                break
+            for i, p in enumerate(frontends):
+                if not p.is_alive() and not stop.is_set():
+                    log.warning("front end %d exited (code %s): its connections are lost; starting it again",
+                                i, p.exitcode)
+                    frontends[i] = start(i)
+    finally:
+        for p in frontends:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: uvicorn closes its connections and leaves
+        for p in frontends:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        engine.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return code

@@ -1,0 +1,209 @@
+"""`sparkchat serve`'s processes under faults: real processes, real signals (kill -9).
+
+The engine process killed: /health fails and the server exits with code 1, never hangs, and an open
+stream ends. A front-end process killed: only its own connections end; a stream on the other front end
+goes on to its last token, and the killed one is started again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MAX_TOKENS = 3000  # a stream long enough to be running when a process is killed
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory, serve_tokenizer):
+    """A tiny random chat model with a context of 4096 tokens."""
+    import torch
+
+    from model.gpt import GPT, GPTConfig
+    from model.model_dir import save_model_dir
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=serve_tokenizer.vocab_size, n_layer=1, n_embd=32, n_head=1, n_kv_head=1,
+                          seq_len=4096))
+    model.init_weights(seed=0)
+    path = tmp_path_factory.mktemp("long_model")
+    save_model_dir(path, model.eval(), serve_tokenizer, {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                                         "max_tokens": 16, "tool_use": False})
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m serve` as a subprocess, and its processes found through /proc."""
+
+    def __init__(self, model_dir: Path, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(model_dir), "--port",
+                                      str(self.port), "--device", "cpu", *flags], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the server did not become healthy")
+
+    def children(self) -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                    out.append(int(d.name))
+            except OSError:
+                pass
+        return out
+
+    def holder(self, inode: int) -> int:
+        """The child process holding socket `inode`."""
+        for pid in self.children():
+            try:
+                if f"socket:[{inode}]" in {os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()}:
+                    return pid
+            except OSError:
+                pass
+        raise LookupError(inode)
+
+    def engine_pid(self) -> int:
+        """The child listening on an engine's Unix socket (other servers' engines may listen too)."""
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            f = line.split()
+            if len(f) >= 8 and f[7].endswith("engine.sock") and int(f[3], 16) & 0x10000:  # __SO_ACCEPTCON
+                try:
+                    return self.holder(int(f[6]))
+                except LookupError:
+                    continue
+        raise LookupError("no engine socket")
+
+    def frontend_of(self, client: socket.socket) -> int:
+        """The front-end process serving the TCP connection `client`."""
+        mine = client.getsockname()[1]
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote = (int(a.split(":")[1], 16) for a in f[1:3])
+            if local == self.port and remote == mine:
+                return self.holder(int(f[9]))
+        raise LookupError("no such connection")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+class Stream:
+    """A streamed chat completion over a raw socket (so the test knows which connection it is)."""
+
+    def __init__(self, port: int, banned: list[int]):
+        body = json.dumps({"model": "sparkchat", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                           "max_tokens": MAX_TOKENS, "stream_options": {"include_usage": True},
+                           "logit_bias": {str(i): -100 for i in banned}})  # no stop id: it runs to MAX_TOKENS
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        self.file = self.sock.makefile("rb")
+        self.events: list[dict] = []
+        self.done = False
+
+    def read(self, events: int | None = None) -> None:
+        """Read `events` more SSE events (None: to the end). Raises OSError when the connection drops."""
+        want = None if events is None else len(self.events) + events
+        while not self.done and (want is None or len(self.events) < want):
+            line = self.file.readline()
+            if not line:
+                raise ConnectionResetError("the server closed the connection")
+            if line.startswith(b"data: [DONE]"):
+                self.done = True
+            elif line.startswith(b"data: "):
+                self.events.append(json.loads(line[6:]))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def banned(serve_tokenizer):
+    from model.chat import STOP_TOKENS
+    return [serve_tokenizer.special[t] for t in STOP_TOKENS]
+
+
+def test_a_killed_engine_ends_the_server(long_model_dir, banned):
+    server = Server(long_model_dir, "--api-servers", "1")
+    try:
+        server.wait_healthy()
+        stream = Stream(server.port, banned)
+        stream.read(3)
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        try:  # the stream ends, with the error event, or the front end going down with the server: no hang
+            stream.read()
+        except OSError:
+            pass
+        assert not stream.done or stream.events[-1]["error"]["code"] == "engine_error"
+        assert server.proc.wait(60) == 1  # the server exits, non-zero
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url + "/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banned):
+    server = Server(long_model_dir, "--api-servers", "2")
+    streams = []
+    try:
+        server.wait_healthy()
+        by_frontend: dict[int, Stream] = {}
+        deadline = time.time() + 120
+        while len(by_frontend) < 2 and time.time() < deadline:
+            # connections until both front ends hold one: the kernel picks who accepts, and the second
+            # front end may still be starting
+            s = Stream(server.port, banned)
+            streams.append(s)
+            s.read(1)
+            if by_frontend.setdefault(server.frontend_of(s.sock), s) is not s:
+                s.close()
+                time.sleep(0.2)
+        (killed, lost), (_, kept) = by_frontend.items()
+        lost.read(2)
+        kept.read(2)
+        os.kill(killed, signal.SIGKILL)
+        with pytest.raises(OSError):
+            lost.read()
+        kept.read()  # the other front end's stream runs to its end
+        assert kept.done and kept.events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert [e["choices"][0]["finish_reason"] for e in kept.events if e["choices"]][-1] == "length"
+        assert server.proc.poll() is None  # the server lives on, and the lost front end comes back
+        deadline = time.time() + 120
+        while killed in server.children() or len(server.children()) < 4 and time.time() < deadline:
+            time.sleep(0.2)  # engine, two front ends, multiprocessing's resource tracker
+        server.wait_healthy()
+        for _ in range(6):  # whichever front end takes them
+            r = httpx.post(server.url + "/v1/completions", json={"model": "sparkchat", "prompt": "Hi", "max_tokens": 3},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        for s in streams:
+            s.close()
+        assert server.stop() == 0

@@ -1,0 +1,189 @@
+"""The per-token path of a front end: one channel message per engine step, a stream that fell behind
+catching up in one event, the minimum interval between events, the SSE framing without a pydantic
+object per chunk, large prompts that hold up no one, and a failed generation told to the client."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import SlowModel
+
+from serve.api import Settings, create_app
+from serve.runtime import Runtime
+from serve.schemas import ChatCompletionChunk, ChunkChoice, CompletionChoice, Delta
+from serve.serving import TextChunks, sse
+
+HI = [{"role": "user", "content": "Hello"}]
+
+
+def in_process(model_dir, delay: float = 0.0, **settings):
+    """An app whose engine runs in this process (so a test can reach it), `delay` seconds a step."""
+    def loader(metrics):
+        rt = Runtime.in_process(model_dir, metrics, "cpu", max_batch=16, stream_interval=settings.get("stream_interval", 0))
+        if delay:
+            rt.engine.model = SlowModel(rt.engine.model, delay)
+        return rt
+    return create_app(Settings(model_dir=model_dir, ui=False, **settings), loader=loader)
+
+
+@pytest.fixture(scope="module")
+def server(serve_start, serve_model_dir):
+    return serve_start(in_process(serve_model_dir))
+
+
+def sse_events(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("text", ["plain", "", "quote \" and \\ backslash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f",
+                                  "Café 你好 🙂", "</script>", "\u2028\u2029"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_text_chunks_are_the_pydantic_chunks(text, usage):
+    """The template's event is the JSON pydantic writes for the same chunk, and the openai package reads it."""
+    exclude = None if usage else {"usage"}
+
+    def chat(i, t):
+        return ChatCompletionChunk(id="c1", created=7, model="m", choices=[ChunkChoice(index=i, delta=Delta(content=t))])
+
+    fast = TextChunks(chat, exclude)
+    for index in (0, 3):
+        ours, theirs = fast(index, text), sse(chat(index, text), exclude)
+        assert ours.startswith("data: ") and ours.endswith("\n\n")
+        assert json.loads(ours[6:]) == json.loads(theirs[6:])
+        parsed = openai.types.chat.ChatCompletionChunk.model_validate_json(ours[6:])
+        assert parsed.choices[0].delta.content == text and parsed.choices[0].index == index
+
+    from serve.schemas import Completion
+    legacy = TextChunks(lambda i, t: Completion(id="c", created=1, model="m", choices=[CompletionChoice(index=i, text=t)]))
+    assert json.loads(legacy(2, text)[6:])["choices"][0] == {"index": 2, "text": text, "logprobs": None,
+                                                            "finish_reason": None}
+
+
+def test_one_channel_message_per_engine_step(server):
+    """Eight streams in one batch: each message from the engine carries every stream's token of that
+    step (fails with a message per token)."""
+    link = server.app.state.runtime.link
+    counts, on_message = [], link._on_message
+    link._on_message = lambda msg: (counts.append(len(msg[1])) if msg[0] == "step" else None, on_message(msg))[1]
+    try:
+        def one(i):
+            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+                    "model": "sparkchat", "messages": HI, "max_tokens": 24, "seed": i, "stream": True}) as r:
+                return sse_events(r)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        del link._on_message
+    assert sum(counts) >= 8 * 24  # every token (and each stream's end) came through these messages
+    assert sum(counts) / len(counts) >= 3, counts
+
+
+def test_a_stream_that_fell_behind_gets_its_tokens_in_one_event(server):
+    """The front end's loop stalls for a second while the engine goes on: the tokens of that second come
+    as one event, not one each; the text is the same as the same seeded request's without the stall."""
+    loop = server.app.state.runtime.link.loop
+    body = {"model": "sparkchat", "messages": HI, "max_tokens": 100, "seed": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts = []
+    for stall in (True, False):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk: the request is in the engine
+            if stall:
+                loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop falls behind
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        content = [e["choices"][0]["delta"]["content"] for e in events
+                   if e["choices"] and e["choices"][0]["delta"].get("content")]
+        assert events[-1]["usage"]["completion_tokens"] == 100
+        texts.append(content)
+    assert len(texts[0]) <= 10 < len(texts[1]), (len(texts[0]), len(texts[1]))
+    assert "".join(texts[0]) == "".join(texts[1])
+
+
+def test_stream_interval_spaces_the_events(serve_start, serve_model_dir):
+    """With a 0.3 s interval, a reply of 60 tokens at 10 ms a step comes in a handful of events; the
+    same seeded request without it comes a token an event, with the same text."""
+    paced = serve_start(in_process(serve_model_dir, delay=0.01, stream_interval=0.3))
+    plain = serve_start(in_process(serve_model_dir, delay=0.01))
+    body = {"model": "sparkchat", "messages": HI, "max_tokens": 60, "seed": 5, "stream": True}
+    texts = []
+    for srv in (paced, plain):
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            content = [e["choices"][0]["delta"]["content"] for e in sse_events(r)
+                       if e["choices"] and e["choices"][0]["delta"].get("content")]
+        texts.append(content)
+    assert len(texts[0]) <= 60 * 0.01 / 0.3 + 3, len(texts[0])  # 0.6 s of steps or more, at most one event per 0.3 s
+    assert len(texts[1]) > 15  # (a token that ends inside a UTF-8 character shows no text yet)
+    assert "".join(texts[0]) == "".join(texts[1])
+
+
+def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model_dir):
+    """Four 1 MB prompts (chat, completions, responses) arrive while a stream runs: each is refused as
+    too long without being tokenized, and the stream's tokens keep coming meanwhile (before, the loop
+    tokenized them whole and a stream stalled for seconds)."""
+    srv = serve_start(in_process(serve_model_dir, delay=0.02))
+    tok = srv.app.state.runtime.tokenizer
+    encoded, encode = [], tok.encode
+    tok.encode = lambda text: (encoded.append(len(text)), encode(text))[1]
+    big = "word " * 200_000  # 1,000,000 characters: under the 1 MiB body limit
+    requests = [("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "user", "content": big}]}),
+                ("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "system", "content": big},
+                                                                               {"role": "user", "content": "Hi"}]}),
+                ("/v1/completions", {"model": "sparkchat", "prompt": big}),
+                ("/v1/responses", {"model": "sparkchat", "input": big})]
+    arrivals, statuses, sent = [], [], threading.Event()
+
+    def flood():
+        sent.set()
+        threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
+            httpx.post(srv.url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    flooder = threading.Thread(target=flood)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "sparkchat", "messages": HI, "max_tokens": 100, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append((time.monotonic(), sent.is_set() and flooder.is_alive()))
+                if len(arrivals) == 5:
+                    flooder.start()
+    flooder.join(60)
+    assert statuses == ["context_length_exceeded"] * 4
+    assert max(encoded, default=0) < 100_000  # no prompt was tokenized whole
+    during = [t for t, flooding in arrivals if flooding]
+    assert during, "no token arrived while the large prompts were being read"
+    gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
+    assert max(gaps) < 2.0, max(gaps)  # before: about 4 s without a token
+
+
+class BrokenModel:
+    def __call__(self, *a, **kw):
+        raise RuntimeError("broken on purpose")
+
+
+def test_a_failed_generation_is_an_error_not_a_quiet_stop(serve_start, serve_model_dir):
+    def loader(metrics):
+        rt = Runtime.in_process(serve_model_dir, metrics, "cpu")
+        rt.engine.model = BrokenModel()
+        return rt
+
+    srv = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=4)
+    assert e.value.response.json()["error"]["code"] == "engine_error"
+    with pytest.raises(openai.APIError, match="failed while generating"):
+        list(client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=4, stream=True))
+    with pytest.raises(openai.APIError, match="failed while generating"):
+        list(client.completions.create(model="sparkchat", prompt="Hi", max_tokens=4, stream=True))
