@@ -49,7 +49,8 @@ def test_model_line_reads_the_model_dir_and_the_pipeline_reports(tmp_path, serve
                                                      "tokens": 3_100_000, "backend_label": "bf16"}))
     assert model_line(model_dir, tmp_path) == (f"Serving `{model_dir}`: 2.5M parameters, 2 layers, context 128 "
                                                "tokens; sft: 7 steps, 3.1M tokens, bf16.")
-    for model, scores in {"sft": {"arithmetic": 0.37, "largest": 0.5, "val_bpb_text": 1.2, "chatcore": 0.1},
+    served = next(n for n, d in paths.EVAL_MODELS.items() if d == paths.CHAT_MODEL)  # the final chat model's name
+    for model, scores in {served: {"arithmetic": 0.37, "largest": 0.5, "val_bpb_text": 1.2, "chatcore": 0.1},
                           "base": {"arithmetic": 0.01}}.items():
         metrics = tmp_path / paths.metrics_file(paths.eval_reports(model))
         metrics.parent.mkdir(parents=True)
