@@ -56,7 +56,7 @@ def train_tokenizer(p: Params, data: Path = paths.DATA, out: Path = paths.TOKENI
 
 def main(argv=None) -> None:
     report = train_tokenizer(load_params(stage="tokenizer"))
-    write_reports("tokenizer", {"val_bytes_per_token": report["val_bytes_per_token"]})  # vocab_size is the param's
+    write_reports("tokenizer", details=report)  # no headline: the tokenizer's figures are a file away
     print(f"tokenizer: vocab {report['vocab_size']}, {report['val_bytes_per_token']} bytes/token on val text",
           file=sys.stderr)
 

@@ -189,7 +189,7 @@ def test_outputs_are_where_paths_says():
         outs = _declared(st[name], "outs")
         assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
         assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
-    for name in ("tokenizer", *paths.TRAIN_STAGES):  # headline metrics: what dvc metrics show lists
+    for name in paths.TRAIN_STAGES:  # headline metrics: what dvc metrics show lists
         assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
     # evaluate: one stage per model, scoring that model, with its own reports
     assert raw_stages()["evaluate"]["foreach"] == {m: str(p) for m, p in paths.EVAL_MODELS.items()}
@@ -201,7 +201,7 @@ def test_outputs_are_where_paths_says():
         assert _declared(stage, "metrics") == {str(paths.metrics_file(reports))}
         assert _declared(stage, "outs") == {str(paths.details_file(reports)), str(paths.plot_file(reports))}
         assert str(paths.plot_file(reports)) in next(iter(chart.values()))["y"]
-    for name in ("prepare", "tokenize", *paths.TRAIN_STAGES):  # the rest of what the inputs decide: an output
+    for name in ("prepare", "tokenizer", "tokenize", *paths.TRAIN_STAGES):  # the rest of what the inputs decide
         assert str(paths.details_file(name)) in _declared(st[name], "outs"), name
     assert {str(p) for p in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN, paths.CHAT_VAL,
                              paths.EVAL_ITEMS, paths.details_file("prepare"))} == _declared(st["prepare"], "outs")

@@ -101,7 +101,8 @@ def test_repro_noop_and_param_change(tmp_path):
         details = report(model, paths.details_file)
         for task in tasks:
             assert 0.0 <= details["benchmarks"][task] <= 1.0 and task in details["chance"] and task in details["centered"]
-    assert "core" in report("midtrain", paths.metrics_file) and "chatcore" in report("sft", paths.metrics_file)
+    assert "core" in report("midtrain", paths.metrics_file) and "core" in report("sft", paths.metrics_file)
+    assert "chatcore" in report("sft", paths.details_file)["centered"]
     assert "\tgsm8k\t" in (proj / paths.plot_file(paths.eval_reports("sft"))).read_text()
     shown = dvc(proj, "metrics", "show").stdout
     assert str(paths.metrics_file(paths.eval_reports("sft"))) in shown and "val_bpb_text" in shown
