@@ -66,6 +66,10 @@ def plots_page(tmp_path_factory) -> Path:
         loss = project / paths.plot_file(stage)
         loss.parent.mkdir(parents=True)
         loss.write_text("step\tloss\n" + "".join(f"{s}\t{5.0 / (1 + s)}\n" for s in range(0, 50, 10)))
+    rl = project / "reports" / "rl"  # the rl stage's plots: reward per step, held-out pass@1/pass@k
+    rl.mkdir(parents=True)
+    (rl / "reward.tsv").write_text("step\treward\treply_tokens\tlr\n1\t0.47\t16.4\t1\n2\t0.51\t16.1\t0.97\n")
+    (rl / "heldout.tsv").write_text("step\tlargest_pass1\tlargest_passk\n0\t0.45\t0.9\n30\t0.4\t0.8\n")
     for m, sc in SCORES.items():  # one file per evaluate stage
         scores = project / paths.plot_file(paths.eval_reports(m))
         scores.parent.mkdir(parents=True)
@@ -91,14 +95,16 @@ def test_dvc_plots_show_writes_a_page_without_external_scripts(plots_page):
 
 def test_eval_chart_groups_models_per_task(plots_page):
     by_id = specs(plots_page)
-    assert len(by_id) == len(paths.TRAIN_STAGES) + 1, sorted(by_id)
+    assert len(by_id) == len(paths.TRAIN_STAGES) + 2 + 1, sorted(by_id)  # losses, rl's two, the chart
     scores = next(s for s in by_id.values() if any("task" in d for d in s["data"]["values"]))
     enc = scores["encoding"]
     assert (enc["y"]["field"], enc["x"]["field"]) == ("task", "accuracy")
     assert enc["yOffset"]["field"] == enc["color"]["field"] == "model"
     assert enc["x"]["scale"]["zero"] is True  # bars start at zero
     assert {d["model"] for d in scores["data"]["values"]} == set(SCORES)
-    losses = [s for s in by_id.values() if s is not scores]
+    losses = [s for i, s in by_id.items() if i.endswith("_loss_tsv")]
+    assert len(losses) == len(paths.TRAIN_STAGES)
+    assert '"field": "reward"' in json.dumps(by_id["reports_rl_reward_tsv"])
     for spec in losses:  # DVC's linear template, step against loss
         text = json.dumps(spec)
         assert '"field": "step"' in text and '"field": "loss"' in text
