@@ -173,16 +173,16 @@ def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float, dict]
     r, world = run.r, run.world
     prompts = run.source.step(step, r.prompts_per_step)
     share = len(prompts) // world
+    mine = prompts[run.rank * share:(run.rank + 1) * share]
     policy = rollout_policy(run)
     engine = engine_for(run, policy, share * r.samples)
     try:
-        rolls = rollouts(engine, run.tok, prompts[run.rank * share:(run.rank + 1) * share], r, step, run.rank * share)
+        rolls = rollouts(engine, run.tok, mine, r, step, run.rank * share)
     finally:
         engine.shutdown()
     del policy
     rewards = torch.tensor([x.reward for x in rolls])
     adv = advantages(rewards, r.samples, r.std_advantage)
-    mine = prompts[run.rank * share:(run.rank + 1) * share]
     per_task = {}
     for g, p in enumerate(mine):
         group = rewards[g * r.samples:(g + 1) * r.samples]
