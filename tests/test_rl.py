@@ -171,3 +171,12 @@ def test_bad_rl_params_fail_before_any_work(tmp_path):
 
 def test_defaults_equal_params_yaml():
     assert replace(RLParams()) == RLParams.from_dict(base()["rl"])
+
+
+def test_rl_tasks_allowed_are_the_tasks_a_checker_exists_for():
+    """params.yaml's rl.tasks choices (RLTask) and pipeline/tasks.py's checkers name the same tasks."""
+    from typing import get_args
+
+    from pipeline import tasks
+    from pipeline.config import RLTask
+    assert sorted(get_args(RLTask)) == sorted(tasks.CHECKED)
