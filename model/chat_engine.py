@@ -4,13 +4,15 @@ The engine itself works on ids only and knows nothing of chat; this is the one p
 format's stop tokens (model.chat.STOP_TOKENS) into the ids that end a reply, says which ids delimit a
 calculator call, whether the model may call the calculator at all (generation.json's `tool_use`) and how
 generation.json's defaults fill in the sampling values a caller leaves out. The terminal chat, the
-evaluate stage and the server all build their engine here.
+evaluate and rl stages and the server all build their engine here; `run_all` runs a batch of requests on one.
 """
 from __future__ import annotations
 
+import threading
+
 from .calculator import calculator_tool
 from .chat import STOP_TOKENS
-from .engine import Engine, EngineConfig, SamplingParams
+from .engine import Engine, EngineConfig, Finished, SamplingParams, Token
 from .tokenizer import SparkTokenizer
 
 
@@ -37,3 +39,27 @@ def sampling_params(gen: dict, temperature=None, top_k=None, top_p=None, max_tok
     return SamplingParams(temperature=float(pick(temperature, "temperature")),
                           top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
                           max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed, **extras)
+
+
+def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], progress=None
+            ) -> list[tuple[list[Token], Finished]]:
+    """Runs every (prompt ids, params) request, all submitted at once (`Engine.submit_all`: on an idle engine
+    the batches then follow from the requests alone), and waits for all: each one's tokens and its end.
+    `progress` (a tqdm bar, say) is updated as requests end. The evaluate and rl stages batch through here."""
+    out: list[list[Token]] = [[] for _ in requests]
+    ends: list[Finished | None] = [None] * len(requests)
+    left = threading.Semaphore(0)
+
+    def sink(ev, i):
+        if isinstance(ev, Token):
+            out[i].append(ev)
+        elif isinstance(ev, Finished):
+            ends[i] = ev
+            left.release()
+
+    engine.submit_all([(ids, sp, lambda ev, i=i: sink(ev, i)) for i, (ids, sp) in enumerate(requests)])
+    for _ in requests:
+        left.acquire()
+        if progress is not None:
+            progress.update()
+    return list(zip(out, ends))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -30,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from model.chat import render
-from model.chat_engine import chat_engine
-from model.engine import Engine, SamplingParams, Token
+from model.chat_engine import chat_engine, run_all
+from model.engine import Engine, SamplingParams
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import ModelDirError, load_model_dir
 from model.scoring import score_continuations
@@ -50,19 +49,10 @@ CHAT_MODELS = ("sft", "rl")  # scored on the benchmarks by generation; the other
 def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, desc: str) -> list[str]:
     """Submit every prompt at once; the engine batches them. Returns the replies as text (the part
     after the last tool output, which is what the model itself concluded)."""
-    out: list[list[int]] = [[] for _ in prompts]
-    done = threading.Semaphore(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
-    for i, ids in enumerate(prompts):
-        def sink(ev, i=i):
-            if isinstance(ev, Token):
-                out[i].append(ev.id)
-            else:
-                done.release()
-        engine.submit(ids, params, sink)
-    for _ in tqdm(prompts, desc=desc, file=sys.stderr, mininterval=2.0, leave=False):
-        done.acquire()
-    return [reply_text(tok, ids) for ids in out]
+    with tqdm(total=len(prompts), desc=desc, file=sys.stderr, mininterval=2.0, leave=False) as bar:
+        done = run_all(engine, [(ids, params) for ids in prompts], bar)
+    return [reply_text(tok, [t.id for t in tokens]) for tokens, _ in done]
 
 
 @torch.no_grad()

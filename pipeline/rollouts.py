@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from model.chat import render
+from model.chat_engine import run_all
 from model.engine import Engine, Finished, SamplingParams, Token
 from sparkchat import paths
 
@@ -113,25 +113,13 @@ def request_seed(seed: int, step: int, prompt: int, sample: int) -> int:
 
 
 def generate(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple[list[Token], Finished]]:
-    """Runs every request on the engine, submitted at once; returns each one's tokens and its end."""
-    out: list[list] = [[] for _ in requests]
-    ends: list[Finished | None] = [None] * len(requests)
-    left = threading.Semaphore(0)
-
-    def sink(ev, i):
-        if isinstance(ev, Token):
-            out[i].append(ev)
-        elif isinstance(ev, Finished):
-            ends[i] = ev
-            left.release()
-
-    engine.submit_all([(ids, sp, lambda ev, i=i: sink(ev, i)) for i, (ids, sp) in enumerate(requests)])
-    for _ in requests:
-        left.acquire()
-    bad = next((e for e in ends if e.reason in ("error", "cancelled")), None)
+    """Runs every request on the engine, submitted at once; each one's tokens and its end. A request the engine
+    ended with an error (or cancelled) fails the step: its reply would be a wrong reward."""
+    done = run_all(engine, requests)
+    bad = next((end for _, end in done if end.reason in ("error", "cancelled")), None)
     if bad is not None:
         raise RuntimeError(f"a rollout ended with '{bad.reason}': {bad.error}")
-    return list(zip(out, ends))
+    return done
 
 
 def rollouts(engine: Engine, tok, prompts: list[Prompt], r: RLParams, step: int, first: int) -> list[Rollout]:
