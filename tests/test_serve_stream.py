@@ -139,31 +139,32 @@ def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model
                                                                                {"role": "user", "content": "Hi"}]}),
                 ("/v1/completions", {"model": "sparkchat", "prompt": big}),
                 ("/v1/responses", {"model": "sparkchat", "input": big})]
-    arrivals, statuses, sent = [], [], threading.Event()
+    arrivals, statuses, answered = [], [], []
 
     def flood():
-        sent.set()
         threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
             httpx.post(srv.url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in requests]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        answered.append(time.monotonic())
 
     flooder = threading.Thread(target=flood)
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
-            "model": "sparkchat", "messages": HI, "max_tokens": 100, "stream": True}) as r:
+            "model": "sparkchat", "messages": HI, "max_tokens": 200, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                arrivals.append((time.monotonic(), sent.is_set() and flooder.is_alive()))
+                arrivals.append(time.monotonic())
                 if len(arrivals) == 5:
                     flooder.start()
     flooder.join(60)
     assert statuses == ["context_length_exceeded"] * 4
     assert max(encoded, default=0) < 100_000  # no prompt was tokenized whole
-    during = [t for t, flooding in arrivals if flooding]
-    assert during, "no token arrived while the large prompts were being read"
-    gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
+    # The four were answered while the stream still ran (a short flood may fall between two tokens, so
+    # the test asks for overlap and no long silence, not for a token inside the flood).
+    assert answered and answered[0] < arrivals[-1], "the large prompts were not answered during the stream"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert max(gaps) < 2.0, max(gaps)  # before: about 4 s without a token
 
 
