@@ -14,7 +14,7 @@ import socket
 
 from sparkchat import paths, start
 
-from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_INTERVAL
+from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
 # kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
@@ -60,6 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=_at_least(0, float), default=STREAM_INTERVAL,
                    help="least seconds between two events of one stream; the tokens in between come in the next "
                         "(default: %(default)s: each token at once)")
+    p.add_argument("--events-per-second", dest="events_per_s", type=_at_least(0, float), default=STREAM_EVENTS_PER_S,
+                   help="the most SSE events a second each front end sends over all its streams: with many streams "
+                        "each stream's events are spaced to fit, carrying the tokens in between; 0: no limit "
+                        "(default: %(default)s)")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="serve the API only, without the chat page at / (Gradio is then not imported; default: the page "
+                        "is served)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
@@ -105,10 +112,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"sparkchat serve: {e}") from None
     from .supervisor import run
     settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
-                    max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval)
+                    max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval,
+                    events_per_s=args.events_per_s, ui=args.ui)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    log.info("serving on http://%s:%d with %d front-end process(es) (the chat page at /, the API under /v1; "
-             "/health answers 200 once the model has loaded)", host, sock.getsockname()[1], args.api_servers)
+    log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "
+             "once the model has loaded)", host, sock.getsockname()[1], args.api_servers,
+             "the chat page at /, " if args.ui else "")
     raise SystemExit(run(settings, sock, args.api_servers))
 
 

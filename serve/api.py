@@ -25,15 +25,16 @@ from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_INTERVAL, completions, errors, responses, serving
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL, completions, errors, responses, serving
 from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
+from .sse import EventStream
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
 log = logging.getLogger("sparkchat.serve")
@@ -59,6 +60,8 @@ class Settings:
     stream_interval: float = STREAM_INTERVAL
     """Least seconds between two SSE events of one stream (tokens in between join the next); 0: each
     as soon as it is there. A stream whose client fell behind gets its tokens in one event either way."""
+    events_per_s: float = STREAM_EVENTS_PER_S
+    """The most SSE events a second this front end sends over all its streams (0: no limit)."""
     engine_address: str | None = None
     """The Unix socket of a running engine process to use (`sparkchat serve` passes its own); None:
     start one for this app."""
@@ -72,6 +75,8 @@ class Settings:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not self.stream_interval >= 0:
             raise ValueError(f"stream_interval must be >= 0 seconds, got {self.stream_interval}")
+        if not self.events_per_s >= 0:
+            raise ValueError(f"events_per_s must be >= 0, got {self.events_per_s}")
 
 
 def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threading.Thread:
@@ -105,6 +110,7 @@ router = APIRouter()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+INLINE_CHECK_BYTES = 16 * 1024  # a body this small is checked on the loop (a few ms of tokenizing at most)
 
 
 async def answer(endpoint, body, request: Request):
@@ -112,11 +118,14 @@ async def answer(endpoint, body, request: Request):
     beyond its schema (errors are HTTP errors, before any stream starts), then gives the whole response
     or, with `stream`, its server-sent events."""
     runtime = get_runtime(request)
-    # off the loop: rendering and tokenizing a prompt must not hold up other clients' streams
-    checked = await asyncio.to_thread(endpoint.check, body, runtime)
+    # a large prompt is rendered and tokenized off the loop, so that it holds up no other client's
+    # stream; a small one here, where a hop to a thread would cost more than the work
+    if int(request.headers.get("content-length") or 0) > INLINE_CHECK_BYTES:
+        checked = await asyncio.to_thread(endpoint.check, body, runtime)
+    else:
+        checked = endpoint.check(body, runtime)
     if body.stream:
-        return StreamingResponse(await endpoint.stream(body, runtime, checked), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return EventStream(await endpoint.stream(body, runtime, checked), headers=SSE_HEADERS)
     return await endpoint.complete(body, runtime, checked, request)
 
 
@@ -197,7 +206,8 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     def load() -> Runtime:
         if loader is not None:
             return loader(metrics)
-        fields = {"model_id": settings.model_id, "stream_interval": settings.stream_interval}
+        fields = {"model_id": settings.model_id, "stream_interval": settings.stream_interval,
+                  "events_per_s": settings.events_per_s}
         if settings.engine_address:
             return Runtime.connect(settings.engine_address, settings.engine_authkey, metrics, **fields)
         return Runtime.spawn(settings.model_dir, metrics, settings.device, settings.max_batch,

@@ -29,7 +29,7 @@ from model.chat_engine import sampling_params
 from model.engine import Engine, PromptLogprobs, SamplingParams, Token
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID
+from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 from .engine_link import EngineLink
 from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, load_engine
 from .metrics import Metrics
@@ -68,7 +68,8 @@ class Wake:
 
     def __init__(self):
         self.waiter: asyncio.Future | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.Handle | None = None
+        self.timer_at = 0.0  # (uvloop's timer handles do not say when they fire)
 
     def set(self) -> None:
         w = self.waiter
@@ -77,10 +78,10 @@ class Wake:
 
     def set_at(self, when: float) -> None:
         """Wake the reader at loop time `when` (events that may not go out before), if it waits longer."""
-        if self.waiter is not None and (self.timer is None or self.timer.when() > when):
+        if self.waiter is not None and (self.timer is None or self.timer_at > when):
             if self.timer is not None:
                 self.timer.cancel()
-            self.timer = asyncio.get_running_loop().call_at(when, self.set)
+            self.timer, self.timer_at = asyncio.get_running_loop().call_at(when, self.set), when
 
     async def wait(self, until: float | None = None) -> None:
         """Until set, or until loop time `until`."""
@@ -106,7 +107,7 @@ class TextStream:
     logprobs, calculator and answer line included) fill in as pieces come; `take_tokens()` gives those
     since its last call. `chat=False` (/v1/completions) reads the ids as plain text, special ids left
     out, as vLLM does by default. Streams of one request share `wake`, set when any of them gets events.
-    `interval`: the least seconds between two pieces (the events in between join the next)."""
+    Pieces are spaced by `Runtime.spacing()` (the events in between join the next)."""
 
     def __init__(self, runtime: "Runtime", prompt_len: int, stop: list[str], chat: bool = True,
                  wake: Wake | None = None):
@@ -127,17 +128,22 @@ class TextStream:
         self.tokens: list[Token] = []  # kept only when logprobs were asked
         self._taken = 0
         self.rid: int | None = None
-        self.interval, self.next_at = runtime.stream_interval, 0.0
+        self.next_at = 0.0  # loop time before which no piece goes out (see spacing())
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.t0 = time.perf_counter()
 
     async def submit(self, prompt: list[int], params: SamplingParams) -> "TextStream":
+        self.loop = asyncio.get_running_loop()
         self.rid = await self.runtime.link.submit(prompt, params, self)  # may raise QueueFull, ...
         self.runtime.metrics.prompt_tokens.inc(len(prompt))
         return self
 
     def push(self, ev: tuple) -> None:  # the link's events, on the loop
         self.pending.append(ev)
-        self.wake.set()
+        if ev[1] != FINISH and self.next_at and self.loop.time() < self.next_at:
+            self.wake.set_at(self.next_at)  # not due: the reader wakes once, when it is (not once a token)
+        else:
+            self.wake.set()
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)
@@ -193,7 +199,7 @@ class TextStream:
         return parts if self.cut is None else cut_parts(parts, self.cut)
 
     def due(self, now: float) -> bool:
-        """Events are waiting and may go out now (the interval has passed, or the stream has ended)."""
+        """Events are waiting and may go out now (its spacing has passed, or the stream has ended)."""
         return bool(self.pending) and (now >= self.next_at or self.pending[-1][1] == FINISH)
 
     def take(self) -> str | None:
@@ -229,8 +235,8 @@ class TextStream:
                 out.append(self._release("", True))
             if kind == FINISH:
                 self._end("stop" if ev[2] in ("stop", "cancelled") else ev[2])
-        if self.interval:
-            self.next_at = asyncio.get_running_loop().time() + self.interval
+        spacing = self.runtime.spacing()
+        self.next_at = self.loop.time() + spacing if spacing else 0.0
         piece = "".join(out)
         return piece if piece or used else None
 
@@ -280,8 +286,11 @@ class Runtime:
     defaults: dict
     metrics: Metrics
     model_id: str = MODEL_ID
-    stream_interval: float = 0.0
+    stream_interval: float = STREAM_INTERVAL
     """Least seconds between two pieces of one stream (0: each as soon as it is there)."""
+    events_per_s: float = STREAM_EVENTS_PER_S
+    """The most pieces a second over all this front end's streams (0: no limit): with many streams each
+    stream's pieces are spaced (streams / events_per_s) seconds apart."""
     engine: Engine | None = None
     """The engine itself, when it runs in this process (`in_process`); else None."""
     process: EngineProcess | None = None
@@ -323,6 +332,12 @@ class Runtime:
         ours, theirs = multiprocessing.Pipe()
         threading.Thread(target=EngineHost(engine, info).serve, args=(theirs,), daemon=True).start()
         return cls.over(EngineLink.open(ours), metrics, engine=engine, **fields)
+
+    def spacing(self) -> float:
+        """Least seconds between two pieces of a stream now: the interval asked for, or more while the
+        front end's streams would together send more than `events_per_s` pieces a second."""
+        share = len(self.link.streams) / self.events_per_s if self.events_per_s else 0.0
+        return max(self.stream_interval, share)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "Runtime":
         self.link.start(loop)

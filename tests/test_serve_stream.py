@@ -3,6 +3,7 @@ catching up in one event, the minimum interval between events, the SSE framing w
 object per chunk, large prompts that hold up no one, and a failed generation told to the client."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from conftest import SlowModel
 
 from serve.api import Settings, create_app
-from serve.runtime import Runtime
+from serve.runtime import Runtime, Wake
 from serve.schemas import ChatCompletionChunk, ChunkChoice, CompletionChoice, Delta
 from serve.serving import TextChunks, sse
 
@@ -22,12 +23,15 @@ HI = [{"role": "user", "content": "Hello"}]
 
 def in_process(model_dir, delay: float = 0.0, **settings):
     """An app whose engine runs in this process (so a test can reach it), `delay` seconds a step."""
+    s = Settings(model_dir=model_dir, ui=False, **settings)
+
     def loader(metrics):
-        rt = Runtime.in_process(model_dir, metrics, "cpu", max_batch=16, stream_interval=settings.get("stream_interval", 0))
+        rt = Runtime.in_process(model_dir, metrics, "cpu", max_batch=16, stream_interval=s.stream_interval,
+                                events_per_s=s.events_per_s)
         if delay:
             rt.engine.model = SlowModel(rt.engine.model, delay)
         return rt
-    return create_app(Settings(model_dir=model_dir, ui=False, **settings), loader=loader)
+    return create_app(s, loader=loader)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,8 @@ def test_a_stream_that_fell_behind_gets_its_tokens_in_one_event(server):
 
 def test_stream_interval_spaces_the_events(serve_start, serve_model_dir):
     """With a 0.3 s interval, a reply of 60 tokens at 10 ms a step comes in a handful of events; the
-    same seeded request without it comes a token an event, with the same text."""
+    same seeded request without it (under the default events a second, as one stream) comes a token an
+    event, with the same text."""
     paced = serve_start(in_process(serve_model_dir, delay=0.01, stream_interval=0.3))
     plain = serve_start(in_process(serve_model_dir, delay=0.01))
     body = {"model": "sparkchat", "messages": HI, "max_tokens": 60, "seed": 5, "stream": True}
@@ -123,6 +128,47 @@ def test_stream_interval_spaces_the_events(serve_start, serve_model_dir):
     assert len(texts[0]) <= 60 * 0.01 / 0.3 + 3, len(texts[0])  # 0.6 s of steps or more, at most one event per 0.3 s
     assert len(texts[1]) > 15  # (a token that ends inside a UTF-8 character shows no text yet)
     assert "".join(texts[0]) == "".join(texts[1])
+
+
+def test_a_wake_time_already_past_under_uvloop():
+    """The server's loop is uvloop's, whose call_at gives a plain handle (no `when()`) for a time already
+    past; a later wake time must still work (it raised inside the link's callback, and the rest of
+    that engine step's tokens were lost: streams stalled at 128)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        w, loop = Wake(), asyncio.get_running_loop()
+        waiting = asyncio.ensure_future(w.wait(loop.time() - 1))
+        await asyncio.sleep(0)  # the reader waits, its timer set for a time already past
+        w.set_at(loop.time() + 5)
+        await asyncio.wait_for(waiting, 1)
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_events_a_second_space_the_events_of_many_streams(serve_start, serve_model_dir):
+    """Eight choices streamed at 10 ms a step under a budget of 40 events a second: each choice's events
+    come 8 / 40 = 0.2 s apart, a few tokens each, with the same text as without a budget (the reader is
+    woken by a timer while tokens keep arriving: uvloop's timer handles once broke that)."""
+    budget = serve_start(in_process(serve_model_dir, delay=0.01, events_per_s=40))
+    free = serve_start(in_process(serve_model_dir, delay=0.01, events_per_s=0))
+    body = {"model": "sparkchat", "messages": HI, "max_tokens": 60, "seed": 3, "n": 8, "stream": True}
+    texts, counts = [], []
+    for srv in (budget, free):
+        content: dict[int, list[str]] = {}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for e in sse_events(r):
+                for c in e["choices"]:
+                    if c["delta"].get("content"):
+                        content.setdefault(c["index"], []).append(c["delta"]["content"])
+        texts.append({i: "".join(p) for i, p in content.items()})
+        counts.append(max(len(p) for p in content.values()))
+    assert texts[0] == texts[1] and len(texts[0]) == 8
+    assert counts[0] <= 60 * 0.01 / 0.2 + 3 < 15 < counts[1], counts
 
 
 def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model_dir):
