@@ -152,13 +152,38 @@ class PrecisionParams(Settings):
 
 
 @dataclass
-class TrainParams(Settings):
-    """Settings of one training stage (pretrain, midtrain and sft each have their own block)."""
-    MINIMUM: ClassVar[dict[str, float]] = {"total_batch_tokens": 1, "device_batch": 1, "steps": 0, "eval_every": 1,
-                                           "eval_tokens": 1, "checkpoint_every": 1, "log_every": 1, "weight_decay": 0,
-                                           "grad_clip": 0}
+class OptimizerParams(Settings):
+    """What every training stage (pretrain, midtrain, sft, rl) sets of its precision and its optimizer
+    (model/optim.py: Muon for the matrices, AdamW for the rest)."""
+    MINIMUM: ClassVar[dict[str, float]] = {"weight_decay": 0, "grad_clip": 0}
     backend: StageBackend = ""
     """Precision backend for this stage; empty = precision.backend."""
+    matrix_lr: float = 0.02
+    """Learning rate of the matrices (Muon, or AdamW with use_muon false)."""
+    embedding_lr: float = 0.2
+    """AdamW learning rate of the token embeddings."""
+    head_lr: float = 0.004
+    """AdamW learning rate of the output head."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    use_muon: bool = True
+    """Muon for the matrices; false: AdamW for everything."""
+    grad_clip: float = 1.0
+    """Largest gradient norm (0 = no clipping)."""
+
+    def check(self, key: str) -> None:
+        super().check(key)
+        for name in ("matrix_lr", "embedding_lr", "head_lr"):
+            if not 0.0 < getattr(self, name) < 10.0:
+                raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
+
+
+@dataclass
+class TrainParams(OptimizerParams):
+    """Settings of one training stage (pretrain, midtrain and sft each have their own block)."""
+    MINIMUM: ClassVar[dict[str, float]] = {**OptimizerParams.MINIMUM, "total_batch_tokens": 1, "device_batch": 1,
+                                           "steps": 0, "eval_every": 1, "eval_tokens": 1, "checkpoint_every": 1,
+                                           "log_every": 1}
     total_batch_tokens: int = 8192
     """Tokens per optimizer step across all ranks (gradient accumulation fills the gap)."""
     device_batch: int = 32
@@ -170,24 +195,12 @@ class TrainParams(Settings):
     default to minutes; Chinchilla's ~20 is what the GPU profiles use."""
     epochs: float = 1.0
     """Midtrain/SFT passes over their data when steps = 0."""
-    matrix_lr: float = 0.02
-    """Learning rate of the matrices (Muon, or AdamW with use_muon false)."""
-    embedding_lr: float = 0.2
-    """AdamW learning rate of the token embeddings."""
-    head_lr: float = 0.004
-    """AdamW learning rate of the output head."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    use_muon: bool = True
-    """Muon for the matrices; false: AdamW for everything."""
     warmup_frac: float = 0.0
     """Share of the steps the learning rate ramps up over."""
     warmdown_frac: float = 0.4
     """Share of the steps at the end over which it falls linearly to final_lr_frac."""
     final_lr_frac: float = 0.0
     """The learning rate at the last step, as a share of the peak."""
-    grad_clip: float = 1.0
-    """Largest gradient norm (0 = no clipping)."""
     eval_every: int = 100
     """Steps between validation passes (and one at the end)."""
     eval_tokens: int = 32768
@@ -204,9 +217,6 @@ class TrainParams(Settings):
         for name in ("param_data_ratio", "epochs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{key}.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("matrix_lr", "embedding_lr", "head_lr"):
-            if not 0.0 < getattr(self, name) < 10.0:
-                raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
         for name in ("warmup_frac", "warmdown_frac", "final_lr_frac"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{key}.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -285,20 +295,22 @@ RLTask = Literal["letter_count", "largest", "spelling", "arithmetic", "word_prob
 
 
 @dataclass
-class RLParams(Settings):
+class RLParams(OptimizerParams):
     """The rl stage: on-policy reinforcement learning of the SFT model on verifiable tasks (docs/rl.md). Each
     step samples `samples` replies to each of `prompts_per_step` prompts through the engine, rewards each with
     the task's checker (pipeline/tasks.py, the evaluate stage's), and pushes up the log-probability of the
-    replies that did better than their group's mean."""
+    replies that did better than their group's mean. The learning rates fall linearly to 0 over the steps."""
     KEY: ClassVar[str] = "rl"
-    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "prompts_per_step": 1, "samples": 2, "max_new_tokens": 1,
-                                           "top_k": 0, "device_batch": 1, "weight_decay": 0, "grad_clip": 0,
-                                           "eval_items": 1, "passk_items": 0, "eval_every": 0, "checkpoint_every": 1}
+    MINIMUM: ClassVar[dict[str, float]] = {**OptimizerParams.MINIMUM, "steps": 1, "prompts_per_step": 1, "samples": 2,
+                                           "max_new_tokens": 1, "top_k": 0, "device_batch": 1, "eval_items": 1,
+                                           "passk_items": 0, "eval_every": 0, "checkpoint_every": 1}
+    # a tenth of pretraining's learning rates: the policy moves from SFT's weights, not from noise
+    matrix_lr: float = 0.002
+    embedding_lr: float = 0.02
+    head_lr: float = 0.0004
     enabled: bool = True
     """false: the stage copies the SFT model unchanged to the chat model's place (export and the server then
     take SFT's model)."""
-    backend: StageBackend = ""
-    """Precision backend of the policy-gradient steps; empty = precision.backend."""
     tasks: list[RLTask] = field(default_factory=lambda: ["letter_count", "largest"])
     """Tasks trained on, equally often: the synthetic ones (prompts generated with `seed`, never one of the held-out
     items), and gsm8k (its `gsm8k_train` rows). Not spelling by default: SFT almost never spells a word right, so
@@ -325,18 +337,6 @@ class RLParams(Settings):
     std_advantage: bool = False
     """Divide each advantage by its group's reward standard deviation (GRPO); false = reward - group mean only
     (docs/rl.md says why)."""
-    matrix_lr: float = 0.002
-    """Learning rate of the matrices (Muon, or AdamW with use_muon false); falls linearly to 0 over the steps."""
-    embedding_lr: float = 0.02
-    """AdamW learning rate of the token embeddings."""
-    head_lr: float = 0.0004
-    """AdamW learning rate of the output head."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    use_muon: bool = True
-    """Muon for the matrices; false: AdamW for everything."""
-    grad_clip: float = 1.0
-    """Largest gradient norm (0 = no clipping)."""
     eval_items: int = 200
     """Held-out items per task for pass@1 (the greedy reply, as the evaluate stage scores), before and after
     training."""
@@ -360,9 +360,6 @@ class RLParams(Settings):
         if not 0.0 < self.temperature <= 10.0:
             raise ConfigError(f"{key}.temperature must be in (0, 10] (sampling: 0 would give every reply of a group "
                               f"the same tokens), got {self.temperature}")
-        for name in ("matrix_lr", "embedding_lr", "head_lr"):
-            if not 0.0 < getattr(self, name) < 10.0:
-                raise ConfigError(f"{key}.{name} must be in (0, 10), got {getattr(self, name)}")
 
 
 def check_benchmark_source(source: str, key: str) -> None:

@@ -45,7 +45,7 @@ from .data import DataError
 from .metrics import TSVLog, write_reports
 from .rollouts import PromptSource, advantages, heldout, loss_batch, pass_at, policy_loss, rollouts
 from .runtime import LaunchError, launch, log
-from .train import CHECKPOINT_NOTE, check_shared_folder, stage_backend, start
+from .train import setup_stage, stage_backend, start
 
 STAGE = "rl"
 INIT = paths.MODEL_DIRS["sft"]
@@ -86,15 +86,7 @@ def build(p: Params, backend, device, rank: int, world: int) -> RLRun:
     if r.prompts_per_step % world:
         raise LaunchError(f"rl.prompts_per_step={r.prompts_per_step} must be a multiple of the {world} ranks "
                           f"(each rolls out the same share)")
-    if p.runtime.threads:
-        torch.set_num_threads(p.runtime.threads)
-    torch.manual_seed(r.seed + rank)
-    ckpt_dir = paths.checkpoint_dir(STAGE)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        (ckpt_dir / "README.txt").write_text(CHECKPOINT_NOTE)
-    if world > 1:
-        check_shared_folder(ckpt_dir, rank)
+    setup_stage(STAGE, p, r.seed, rank, world)
     model, tok, gen = load_model_dir(INIT, device=device)
     model = backend.convert(model.train())
     log(backend.describe(device))

@@ -271,13 +271,12 @@ def start(stage: str | None, p: Params):
     return stage, p, backend, device, rank, world
 
 
-def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
-    """The checkpoint folder, the model (converted by the backend; under FSDP compiled and sharded), the
-    batches, the step count and the optimizer."""
-    t: TrainParams = getattr(p, stage)
+def setup_stage(stage: str, p: Params, seed: int, rank: int, world: int) -> Path:
+    """What every training stage (rl too) does first: torch's threads and this rank's seed, and the stage's
+    checkpoint folder, made and checked to be the same folder on every rank. Returns the folder."""
     if p.runtime.threads:
         torch.set_num_threads(p.runtime.threads)
-    torch.manual_seed(t.seed + rank)
+    torch.manual_seed(seed + rank)
     ckpt_dir = paths.checkpoint_dir(stage)
     # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
     # folder (which DVC warns about) once a finished stage has removed its checkpoints
@@ -286,6 +285,14 @@ def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
         (ckpt_dir / "README.txt").write_text(CHECKPOINT_NOTE)
     if world > 1:
         check_shared_folder(ckpt_dir, rank)
+    return ckpt_dir
+
+
+def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
+    """The checkpoint folder, the model (converted by the backend; under FSDP compiled and sharded), the
+    batches, the step count and the optimizer."""
+    t: TrainParams = getattr(p, stage)
+    ckpt_dir = setup_stage(stage, p, t.seed, rank, world)
 
     _, train_file, val_file, _ = STAGES[stage]
     tok = SparkTokenizer.load(paths.TOKENIZER)

@@ -169,8 +169,9 @@ def test_params_yaml_choice_comments_match_the_code():
 def test_every_knob_has_a_docstring():
     """Each field of every settings class in config.py and options.py is followed by its docstring: the
     one place a knob is documented (the README sends readers there). A nested block is documented by its
-    class's docstring."""
+    class's docstring; a field a subclass declares again to change its default, by its base class."""
     import ast
+    import dataclasses
     import importlib
     import typing
 
@@ -186,9 +187,11 @@ def test_every_knob_has_a_docstring():
                 continue
             assert ast.get_docstring(node), f"{module}.{node.name} has no docstring"
             nested = {n for n, tp in typing.get_type_hints(cls).items() if isinstance(tp, type) and issubclass(tp, Settings)}
+            inherited = {f for base in cls.__mro__[1:] if issubclass(base, Settings) and dataclasses.is_dataclass(base)
+                         for f in base.__dataclass_fields__}
             for i, item in enumerate(node.body):
                 if isinstance(item, ast.AnnAssign) and "ClassVar" not in ast.unparse(item.annotation) \
-                        and item.target.id not in nested:
+                        and item.target.id not in nested | inherited:
                     after = node.body[i + 1] if i + 1 < len(node.body) else None
                     if not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
                         missing.append(f"{module}.{node.name}.{item.target.id}")
