@@ -119,8 +119,9 @@ async def answer(endpoint, body, request: Request):
     or, with `stream`, its server-sent events."""
     runtime = get_runtime(request)
     # a large prompt is rendered and tokenized off the loop, so that it holds up no other client's
-    # stream; a small one here, where a hop to a thread would cost more than the work
-    if int(request.headers.get("content-length") or 0) > INLINE_CHECK_BYTES:
+    # stream; a small one here, where a hop to a thread would cost more than the work. The body's size
+    # is the one FastAPI read (cached), so a chunked body without a Content-Length is measured too.
+    if len(await request.body()) > INLINE_CHECK_BYTES:
         checked = await asyncio.to_thread(endpoint.check, body, runtime)
     else:
         checked = endpoint.check(body, runtime)

@@ -140,8 +140,8 @@ class TextStream:
 
     def push(self, ev: tuple) -> None:  # the link's events, on the loop
         self.pending.append(ev)
-        if ev[1] != FINISH and self.next_at and self.loop.time() < self.next_at:
-            self.wake.set_at(self.next_at)  # not due: the reader wakes once, when it is (not once a token)
+        if self.next_at and not self.due(self.loop.time()):  # (no spacing: always due, no clock read)
+            self.wake.set_at(self.next_at)  # the reader wakes once, when it is due (not once a token)
         else:
             self.wake.set()
 

@@ -108,6 +108,25 @@ class SlowModel:
         return self.model(*a, **kw)
 
 
+class BrokenModel:
+    """An engine's model failing at every forward: each request ends with the engine's 'error'."""
+
+    def __call__(self, *a, **kw):
+        raise RuntimeError("broken on purpose")
+
+
+def broken_app(model_dir):
+    """An app (no chat page) whose engine, in this process, fails every generation."""
+    from serve.api import Settings, create_app
+    from serve.runtime import Runtime
+
+    def loader(metrics):
+        rt = Runtime.in_process(model_dir, metrics, "cpu")
+        rt.engine.model = BrokenModel()
+        return rt
+    return create_app(Settings(model_dir=model_dir, ui=False), loader=loader)
+
+
 @pytest.fixture(scope="session")
 def serve_start():
     """start(app, wait=True) -> a running server (.url, .app); all are stopped at the session's end."""

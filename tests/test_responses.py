@@ -7,10 +7,10 @@ import json
 import httpx
 import openai
 import pytest
+from conftest import broken_app
 
 from model.chat import render
 from serve.api import Settings, create_app
-from serve.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,20 +125,8 @@ def test_400_names_the_field(client, kw, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], err
 
 
-class BrokenModel:
-    """The engine's model, failing at every forward: each request ends with the engine's 'error'."""
-
-    def __call__(self, *a, **kw):
-        raise RuntimeError("broken on purpose")
-
-
 def test_an_engine_failure_is_a_failed_response(serve_start, serve_model_dir):
-    def loader(metrics):
-        rt = Runtime.in_process(serve_model_dir, metrics, "cpu")
-        rt.engine.model = BrokenModel()
-        return rt
-
-    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
+    server = serve_start(broken_app(serve_model_dir))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     r = client.responses.create(model="sparkchat", input="Hi", max_output_tokens=4)
     assert r.status == "failed" and r.error.code == "server_error" and r.incomplete_details is None

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import SlowModel
+from conftest import SlowModel, broken_app
 
 from serve.api import Settings, create_app
 from serve.runtime import Runtime, Wake
@@ -218,18 +218,8 @@ def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model
     assert max(gaps) < 2.0, max(gaps)  # before: about 4 s without a token
 
 
-class BrokenModel:
-    def __call__(self, *a, **kw):
-        raise RuntimeError("broken on purpose")
-
-
 def test_a_failed_generation_is_an_error_not_a_quiet_stop(serve_start, serve_model_dir):
-    def loader(metrics):
-        rt = Runtime.in_process(serve_model_dir, metrics, "cpu")
-        rt.engine.model = BrokenModel()
-        return rt
-
-    srv = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False), loader=loader))
+    srv = serve_start(broken_app(serve_model_dir))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=4)
