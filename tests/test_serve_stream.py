@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 from conftest import SlowModel, broken_app
 
 from serve.api import Settings, create_app
-from serve.runtime import Runtime, Wake
+from serve.runtime import Runtime, TextStream, Wake
 from serve.schemas import ChatCompletionChunk, ChunkChoice, CompletionChoice, Delta
 from serve.serving import TextChunks, sse
 
@@ -142,6 +143,30 @@ def test_a_wake_time_already_past_under_uvloop():
         await asyncio.sleep(0)  # the reader waits, its timer set for a time already past
         w.set_at(loop.time() + 5)
         await asyncio.wait_for(waiting, 1)
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_stream_woken_by_its_timer_is_due_under_uvloop():
+    """A stream spaced by the events budget waits for a timer at its `next_at`. uvloop's clock is cached in
+    whole milliseconds, so the timer fires while loop.time() still reads up to a millisecond earlier:
+    the stream must count as due then (it did not, waited again, and each event took three wake-ups)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        loop, early = asyncio.get_running_loop(), []
+        for k in range(20):
+            at = loop.time() + 0.0023 + k * 0.00037  # times between the clock's milliseconds
+            w = Wake()
+            await w.wait(at)
+            stream = types.SimpleNamespace(pending=[(0, 7)], next_at=at)  # one token waiting, spaced to `at`
+            if not TextStream.due(stream, loop.time()):
+                early.append(round(at - loop.time(), 6))
+        assert not early, f"woken but not due, by {early} s"
 
     loop = uvloop.new_event_loop()
     try:
