@@ -368,7 +368,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="also the engine without CUDA graphs")
     ap.add_argument("--trained", help="a trained model directory: its greedy ids, graphs against eager")
     ap.add_argument("--agreement-only", action="store_true", help="with --trained: only that comparison")
-    ap.add_argument("--serve-args", default="", help="more flags for `python -m serve`, one string (one flag alone: --serve-args=--no-ui)")
+    ap.add_argument("--serve-args", default="",
+                    help="more flags for `python -m serve`, one string (one flag alone: --serve-args=--no-ui)")
     ap.add_argument("--switch-interval", type=positive(float),
                     help="the server's sys.setswitchinterval in seconds (default: Python's)")
     ap.add_argument("--client-procs", type=positive(int),
