@@ -40,6 +40,7 @@ EXAMPLES = [
 ]
 TOOL_TITLE = "Calculator"
 EMPTY = "(empty reply)"
+QUEUE_POLL_S = 0.02  # how often the chat page's queue looks for a new job while it has none (mount_ui)
 
 
 def _text(content) -> str:
@@ -198,6 +199,12 @@ def mount_ui(app: FastAPI, settings) -> None:
     if settings.api_key:
         key = settings.api_key
         auth = lambda _user, password: hmac.compare_digest(str(password), key)  # noqa: E731
-    gr.mount_gradio_app(app, build_ui(app), path="/", auth=auth,
+    page = build_ui(app)
+    gr.mount_gradio_app(app, page, path="/", auth=auth,
                         auth_message="Log in with any user name and the server's API key as the password.",
                         footer_links=[], ssr_mode=False)
+    # Gradio's queue looks for new jobs every millisecond while it has none (Linux; 50 ms on Windows), and
+    # for progress to send every 10 ms: an idle server's front end used 3.7% of a core, on the loop every
+    # API stream shares. A chat turn that waits up to QUEUE_POLL_S to start is not seen; Gradio has no
+    # public setting for either.
+    page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import gradio as gr
 import pytest
@@ -106,3 +107,29 @@ def test_the_reply_budget_is_what_the_context_leaves_and_the_history_stays(serve
     # a budget the user sets keeps its own room, as the terminal's
     ids, budget, dropped = fit_prompt(tok, 128, exchanges(n), 50, 256)
     assert budget == min(50, 128 - len(ids)) and len(ids) <= 128 - 50 and dropped > 0
+
+
+def test_an_idle_chat_page_does_not_poll_its_queue_every_millisecond(serve_model_dir, monkeypatch):
+    """Gradio's queue sleeps between looks for a job (1 ms by default on Linux) and for progress to send
+    (10 ms): wake-ups of the front end's loop, which every API stream shares, while the page is idle."""
+    import asyncio
+
+    import gradio.queueing
+    from starlette.testclient import TestClient
+
+    from serve.ui import QUEUE_POLL_S, mount_ui
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def counted(delay, *args, **kwargs):
+        sleeps.append(delay)
+        return await real_sleep(delay, *args, **kwargs)
+
+    monkeypatch.setattr(gradio.queueing.asyncio, "sleep", counted)
+    app = FastAPI()
+    app.state.settings, app.state.runtime = Settings(model_dir=serve_model_dir), None
+    mount_ui(app, app.state.settings)
+    with TestClient(app):  # its lifespan starts the page's queue
+        time.sleep(0.5)
+    idle = [d for d in sleeps if d <= QUEUE_POLL_S]
+    assert idle and len(idle) <= 2 * 0.5 / QUEUE_POLL_S + 5, f"{len(idle)} idle sleeps in 0.5 s"  # two loops
