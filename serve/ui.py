@@ -194,7 +194,8 @@ def build_ui(app: FastAPI) -> gr.Blocks:
     return page
 
 
-def mount_ui(app: FastAPI, settings) -> None:
+def mount_ui(app: FastAPI, settings) -> gr.Blocks:
+    """The chat page at / of `app`; the page."""
     auth = None
     if settings.api_key:
         key = settings.api_key
@@ -208,3 +209,4 @@ def mount_ui(app: FastAPI, settings) -> None:
     # API stream shares. A chat turn that waits up to QUEUE_POLL_S to start is not seen; Gradio has no
     # public setting for either.
     page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S
+    return page
