@@ -19,7 +19,10 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
   step CPU over it (the server's counter `sparkchat_engine_step_cpu_seconds_total`)) / completion tokens
   * 1e6: what the server spends a token beside the engine's steps (HTTP, SSE, detokenizing, handoff).
   A server without that counter gets no such figure (`server_cpu_note` says so), only the tree's
-  whole CPU a token (`tree_cpu_us_per_token`, always there).
+  whole CPU a token (`tree_cpu_us_per_token`, always there). Split, when the server also counts its
+  engine process's CPU (`sparkchat_engine_process_cpu_seconds_total`): `engine_host_cpu_us_per_token`,
+  the engine process beside its steps (scheduling, the channel), and `frontend_cpu_us_per_token`, every
+  other process of the tree (the front ends and the supervisor).
 - `text_token_share`: of the completion tokens, those that arrived as text: per response, the tokens
   its content events stand for (bench.text_model.text_tokens: each U+FFFD one lone byte, the rest of
   an event's text encoded again), at most its completion tokens, summed and divided by all completion
@@ -68,6 +71,7 @@ from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token  
 from model.gpt import GPT, GPTConfig  # noqa: E402
 
 STEP_CPU = "sparkchat_engine_step_cpu_seconds_total"
+ENGINE_PROCESS_CPU = "sparkchat_engine_process_cpu_seconds_total"
 DEFAULT_VOCAB = {"cuda": 65536, "cpu": 2048}
 
 
@@ -168,7 +172,11 @@ def server_cpu(before: dict, after: dict) -> dict:
     if STEP_CPU not in before["metrics"] or STEP_CPU not in after["metrics"]:
         return {"tree_cpu_s": tree, "engine_step_cpu_s": None, "server_cpu_s": None}
     step = after["metrics"][STEP_CPU] - before["metrics"][STEP_CPU]
-    return {"tree_cpu_s": tree, "engine_step_cpu_s": step, "server_cpu_s": tree - step}
+    out = {"tree_cpu_s": tree, "engine_step_cpu_s": step, "server_cpu_s": tree - step}
+    if ENGINE_PROCESS_CPU in before["metrics"] and ENGINE_PROCESS_CPU in after["metrics"]:
+        engine_process = after["metrics"][ENGINE_PROCESS_CPU] - before["metrics"][ENGINE_PROCESS_CPU]
+        out.update(engine_host_cpu_s=engine_process - step, frontend_cpu_s=tree - engine_process)
+    return out
 
 
 def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: float, procs: int) -> dict:
@@ -186,6 +194,10 @@ def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: 
            "server_cpu_us_per_token": per_token(cpu["server_cpu_s"]),
            "tree_cpu_us_per_token": per_token(cpu["tree_cpu_s"]),
            "engine_step_cpu_us_per_token": per_token(cpu["engine_step_cpu_s"]),
+           # the server's CPU split: the engine process beside its steps, and every other process (front
+           # ends, supervisor), when the server counts its engine process's CPU
+           "engine_host_cpu_us_per_token": per_token(cpu.get("engine_host_cpu_s")),
+           "frontend_cpu_us_per_token": per_token(cpu.get("frontend_cpu_s")),
            # the server's first process's main thread: the event loop of a one-process server
            "loop_cpu_us_per_token": per_token(after["loop"] - before["loop"]),
            "text_token_share": round(r.text_tokens / tokens, 5),
@@ -326,6 +338,7 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
 ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
                "engine_cpu_share")
 HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tree_cpu_us_per_token",
+             "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
              "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
 

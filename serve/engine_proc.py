@@ -100,7 +100,8 @@ class EngineHost:
         elif kind == "stats":
             e = self.engine
             stats = {"queue_depth": e.queue_depth, "num_active": e.num_active, "steps": e.steps,
-                     "cpu_seconds": e.cpu_seconds, "step_cpu_seconds": e.step_cpu_seconds}
+                     "cpu_seconds": e.cpu_seconds, "step_cpu_seconds": e.step_cpu_seconds,
+                     "process_cpu_seconds": time.process_time()}
             with self.lock:
                 self._send(peer, ("stats", msg[1], stats))
 

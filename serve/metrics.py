@@ -44,6 +44,9 @@ class Metrics:
         yield CounterMetricFamily("sparkchat_engine_step_cpu_seconds", "CPU time (time.thread_time) the engine's "
                                   "scheduler thread spent inside engine steps, not in handing their tokens on or "
                                   "waiting for work", value=e["step_cpu_seconds"])
+        yield CounterMetricFamily("sparkchat_engine_process_cpu_seconds", "CPU time of the whole process the engine "
+                                  "runs in, every thread (the engine process's; a server built in one process: "
+                                  "that process's)", value=e["process_cpu_seconds"])
 
     def render(self) -> bytes:
         if not os.environ.get(MULTIPROC_ENV):

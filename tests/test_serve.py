@@ -375,6 +375,8 @@ def test_metrics(server, client):
     assert value["sparkchat_decode_steps"] >= 2 and value["sparkchat_engine_cpu_seconds"] > 0
     # the steps' CPU is part of the engine thread's (the rest: waiting for work)
     assert 0 < value["sparkchat_engine_step_cpu_seconds_total"] <= value["sparkchat_engine_cpu_seconds"]
+    # the thread's CPU is part of its process's
+    assert value["sparkchat_engine_cpu_seconds"] <= value["sparkchat_engine_process_cpu_seconds_total"]
 
 
 # ---- the command line ----

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from bench.serve import text_tokens_of
-from bench.serve_gpu import STEP_CPU, server_cpu, tree_cpu
+from bench.serve_gpu import ENGINE_PROCESS_CPU, STEP_CPU, server_cpu, tree_cpu
 from bench.text_model import text_tokenizer, text_tokens
 from model.tokenizer import StreamDecoder
 
@@ -82,6 +82,12 @@ def test_server_cpu_is_the_process_tree_less_the_engine_step_counter():
     assert got["tree_cpu_s"] == pytest.approx(3.25)
     assert got["engine_step_cpu_s"] == pytest.approx(1.75)
     assert got["server_cpu_s"] == pytest.approx(1.5)
+    assert "frontend_cpu_s" not in got  # no engine-process counter: no split
+    # with the engine process's CPU (2.0 s of it, 1.75 in steps): the rest of the tree is the front ends'
+    got = server_cpu({**before, "metrics": {STEP_CPU: 100.0, ENGINE_PROCESS_CPU: 50.0}},
+                     {**after, "metrics": {STEP_CPU: 101.75, ENGINE_PROCESS_CPU: 52.0}})
+    assert got["engine_host_cpu_s"] == pytest.approx(0.25) and got["frontend_cpu_s"] == pytest.approx(1.25)
+    assert got["engine_host_cpu_s"] + got["frontend_cpu_s"] == pytest.approx(got["server_cpu_s"])
     # a server without the counter: nothing is subtracted, and no figure claims it was
     got = server_cpu({**before, "metrics": {}}, {**after, "metrics": {}})
     assert got == {"tree_cpu_s": pytest.approx(3.25), "engine_step_cpu_s": None, "server_cpu_s": None}
