@@ -200,8 +200,9 @@ def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banne
             time.sleep(0.2)  # engine, two front ends, multiprocessing's resource tracker
         server.wait_healthy()
         for _ in range(6):  # whichever front end takes them
-            r = httpx.post(server.url + "/v1/completions", json={"model": "sparkchat", "prompt": "Hi", "max_tokens": 3},
-                           timeout=60)
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "sparkchat", "prompt": "Hi", "max_tokens": 3,
+                "logit_bias": {str(i): -100 for i in banned}})  # a sampled stop id ended one after 2 tokens
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         for s in streams:
