@@ -205,8 +205,8 @@ def mount_ui(app: FastAPI, settings) -> gr.Blocks:
                         auth_message="Log in with any user name and the server's API key as the password.",
                         footer_links=[], ssr_mode=False)
     # Gradio's queue looks for new jobs every millisecond while it has none (Linux; 50 ms on Windows), and
-    # for progress to send every 10 ms: an idle server's front end used 3.7% of a core, on the loop every
-    # API stream shares. A chat turn that waits up to QUEUE_POLL_S to start is not seen; Gradio has no
-    # public setting for either.
+    # for progress to send every 10 ms: over a thousand wake-ups a second of an idle page, on the loop
+    # every API stream shares. A chat turn that waits up to QUEUE_POLL_S to start is not seen; Gradio has
+    # no public setting for either.
     page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S
     return page
