@@ -108,6 +108,17 @@ class SlowModel:
         return self.model(*a, **kw)
 
 
+def large_prompt_requests() -> list[tuple[str, dict]]:
+    """(path, body) of four 1 MB prompts, one on each generation route (chat twice: as the user's message
+    and as the system prompt): each is far past any context, and under the 1 MiB body limit."""
+    big = "word " * 200_000
+    return [("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "user", "content": big}]}),
+            ("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "system", "content": big},
+                                                                           {"role": "user", "content": "Hi"}]}),
+            ("/v1/completions", {"model": "sparkchat", "prompt": big}),
+            ("/v1/responses", {"model": "sparkchat", "input": big})]
+
+
 class BrokenModel:
     """An engine's model failing at every forward: each request ends with the engine's 'error'."""
 

@@ -1,5 +1,6 @@
 """`sparkchat serve`'s processes under faults: real processes, real signals (kill -9).
 
+Four 1 MB prompts arriving while a stream runs: the stream keeps getting tokens meanwhile.
 The engine process killed: /health fails and the server exits with code 1, never hangs, and an open
 stream ends. A front-end process killed: only its own connections end; a stream on the other front end
 goes on to its last token, and the killed one is started again.
@@ -12,11 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import large_prompt_requests
 
 MAX_TOKENS = 3000  # a stream long enough to be running when a process is killed
 
@@ -126,6 +129,7 @@ class Stream:
                           f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         self.file = self.sock.makefile("rb")
         self.events: list[dict] = []
+        self.arrivals: list[float] = []  # time.monotonic() as each event was read
         self.done = False
 
     def read(self, events: int | None = None) -> None:
@@ -139,6 +143,7 @@ class Stream:
                 self.done = True
             elif line.startswith(b"data: "):
                 self.events.append(json.loads(line[6:]))
+                self.arrivals.append(time.monotonic())
 
     def close(self) -> None:
         self.sock.close()
@@ -208,3 +213,43 @@ def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banne
         for s in streams:
             s.close()
         assert server.stop() == 0
+
+
+def test_four_1mb_prompts_do_not_stall_a_running_stream(long_model_dir, banned):
+    """Four 1 MB prompts arrive while a stream runs: each is refused as too long within a few tenths of a
+    second, and the stream's tokens keep coming meanwhile (with them tokenized whole on the front end's
+    loop, as before, the four took 3.5 s, and the stream went up to 1.9 s without an event). The server
+    runs in processes of its own, so no collector or thread of pytest's shares its time
+    (tests/test_serve_stream.py checks in process that none is tokenized whole)."""
+    server = Server(long_model_dir, "--api-servers", "1", "--no-ui")
+    statuses, started, answered = [], [], []
+
+    def flood():
+        started.append(time.monotonic())
+        threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
+            httpx.post(server.url + u, json=b, timeout=60).json()["error"]["code"]))
+            for u, b in large_prompt_requests()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        answered.append(time.monotonic())
+
+    try:
+        server.wait_healthy()
+        stream = Stream(server.port, banned)
+        stream.read(5)
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        while not stream.done and not answered:
+            stream.read(1)
+        flooder.join(60)
+        stream.read()
+        assert statuses == ["context_length_exceeded"] * 4
+        # answered soon, and while the stream still ran, which had no long silence
+        assert answered and answered[0] < stream.arrivals[-1], "the large prompts were not answered during the stream"
+        assert answered[0] - started[0] < 2.0, answered[0] - started[0]
+        gaps = [b - a for a, b in zip(stream.arrivals, stream.arrivals[1:])]
+        assert max(gaps) < 2.0, max(gaps)
+    finally:
+        server.stop()

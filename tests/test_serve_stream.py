@@ -12,7 +12,7 @@ import types
 import httpx
 import openai
 import pytest
-from conftest import SlowModel, broken_app
+from conftest import SlowModel, broken_app, large_prompt_requests
 
 from serve.api import Settings, create_app
 from serve.runtime import Runtime, TextStream, Wake
@@ -200,25 +200,20 @@ def test_events_a_second_space_the_events_of_many_streams(serve_start, serve_mod
     assert counts[0] <= took[0] / 0.2 + 2 and counts[0] < counts[1], (counts, took)
 
 
-def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model_dir):
-    """Four 1 MB prompts (chat, completions, responses) arrive while a stream runs: each is refused as
-    too long without being tokenized, and the stream's tokens keep coming meanwhile (before, the loop
-    tokenized them whole and a stream stalled for seconds)."""
+def test_four_1mb_prompts_are_refused_without_being_tokenized(serve_start, serve_model_dir):
+    """Four 1 MB prompts arriving while a stream runs are each refused as too long without being tokenized
+    (before, the loop tokenized them whole), and answered while the stream still runs. That the stream
+    meanwhile keeps getting tokens is timed against the real server's processes, apart from pytest's
+    (tests/test_serve_procs.py)."""
     srv = serve_start(in_process(serve_model_dir, delay=0.02))
     tok = srv.app.state.runtime.tokenizer
     encoded, encode = [], tok.encode
     tok.encode = lambda text: (encoded.append(len(text)), encode(text))[1]
-    big = "word " * 200_000  # 1,000,000 characters: under the 1 MiB body limit
-    requests = [("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "user", "content": big}]}),
-                ("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "system", "content": big},
-                                                                               {"role": "user", "content": "Hi"}]}),
-                ("/v1/completions", {"model": "sparkchat", "prompt": big}),
-                ("/v1/responses", {"model": "sparkchat", "input": big})]
-    arrivals, statuses, answered = [], [], []
+    statuses, answered, arrivals = [], [], []
 
     def flood():
         threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
-            httpx.post(srv.url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in requests]
+            httpx.post(srv.url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in large_prompt_requests()]
         for t in threads:
             t.start()
         for t in threads:
@@ -236,11 +231,7 @@ def test_four_1mb_prompts_do_not_stall_a_running_stream(serve_start, serve_model
     flooder.join(60)
     assert statuses == ["context_length_exceeded"] * 4
     assert max(encoded, default=0) < 100_000  # no prompt was tokenized whole
-    # The four were answered while the stream still ran (a short flood may fall between two tokens, so
-    # the test asks for overlap and no long silence, not for a token inside the flood).
     assert answered and answered[0] < arrivals[-1], "the large prompts were not answered during the stream"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert max(gaps) < 2.0, max(gaps)  # before: about 4 s without a token
 
 
 def test_a_failed_generation_is_an_error_not_a_quiet_stop(serve_start, serve_model_dir):
