@@ -23,6 +23,7 @@ thread of the front end's own process when a caller builds the engine itself (se
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -153,6 +154,14 @@ def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
     return engine, info
 
 
+def freeze_heap() -> None:
+    """Leave what start-up built (modules, the app, the model) out of the collector's passes from now on:
+    a full pass otherwise walks every object of torch, FastAPI and Gradio, and stops a front end's
+    streams, or the engine's decode step, for as long (bench/results/serving.md, "The collector")."""
+    gc.collect()
+    gc.freeze()
+
+
 def _exit_with_parent() -> None:
     """Leave when the process that started this one is gone (killed with -9: nothing else tells us)."""
     parent = os.getppid()
@@ -170,6 +179,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:
         host, error = EngineHost(*load_engine(model_dir, device, max_batch, max_queue)), None
+        freeze_heap()
     except Exception as e:
         log.exception("loading the model failed")
         host, error = None, f"{type(e).__name__}: {e}"

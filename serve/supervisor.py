@@ -29,12 +29,13 @@ log = logging.getLogger("sparkchat.serve")
 def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
     """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .engine_proc import _exit_with_parent
+    from .engine_proc import _exit_with_parent, freeze_heap
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     import uvicorn
 
     from .api import Settings, create_app
     app = create_app(Settings(**settings))
+    freeze_heap()
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
 
 

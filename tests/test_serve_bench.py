@@ -119,3 +119,16 @@ def test_the_event_floor_counts_every_token_its_bare_app_sent(tmp_path):
     s = level["server_cpu_us_per_token"]
     assert 0 < s["min"] <= s["median"] <= s["max"] and s["n"] == 2
     assert json.loads(out.read_text())["levels"]["2"]["rounds"] == level["rounds"]
+
+
+def test_a_frozen_heap_leaves_full_collections_little_to_walk(tmp_path, serve_model_dir):
+    """bench/gc_pause.py: a front end's and an engine process's heaps, built as the server builds them,
+    hold many thousand tracked objects; after serve.engine_proc.freeze_heap a full pass walks almost none,
+    and takes less time than before."""
+    from bench.gc_pause import main
+    res = main(["--model", str(serve_model_dir), "--rounds", "2", "--out", str(tmp_path / "gc.json")])
+    for kind in ("frontend", "engine"):
+        r = res[kind]
+        assert r["tracked_objects"] > 50_000 and r["left_after_freeze"] < 1_000
+        assert r["frozen"]["max"] < r["unfrozen"]["min"] and r["unfrozen"]["n"] == 2
+    assert json.loads((tmp_path / "gc.json").read_text())["engine"]["frozen_ms"] == res["engine"]["frozen_ms"]
