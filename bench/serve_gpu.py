@@ -69,6 +69,7 @@ import torch  # noqa: E402
 from bench.stats import fmt, ratios, spread  # noqa: E402
 from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
+from serve.engine_proc import freeze_heap  # noqa: E402
 
 STEP_CPU = "sparkchat_engine_step_cpu_seconds_total"
 ENGINE_PROCESS_CPU = "sparkchat_engine_process_cpu_seconds_total"
@@ -434,6 +435,7 @@ def main(argv=None) -> dict:
         print(f"{res['device']}: d{args.depth}, {res['params'] / 1e6:.2f}M params, fp32", flush=True)
     if gpu and args.eager:  # rounds of its own, no HTTP: on a CPU there are no graphs to compare with
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=False)
+        freeze_heap()
         try:
             rounds = measure(engine, tok, gen, levels, args, None, lambda r: save({**res, "unfinished_eager": r}, args.out))
             res["engine_eager"] = report(rounds, levels, "eager", bound_ms)
@@ -445,6 +447,7 @@ def main(argv=None) -> dict:
         model_dir = write_model_dir(model.float(), tok, Path(tmp) / "m", gen) if args.http else None
         model.to(torch.bfloat16 if gpu else torch.float32)
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=gpu)
+        freeze_heap()  # as the server's engine process does: the reference is the engine as it serves
         try:
             rounds = measure(engine, tok, gen, levels, args, model_dir, lambda r: save({**res, "unfinished": r}, args.out))
             r = report(rounds, levels, name, bound_ms)
