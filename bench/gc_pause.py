@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing
 import time
 from pathlib import Path
 
-from bench.stats import fmt, spread
+from bench.stats import fmt, save_json, spread
 
 
 def _passes(rounds: int) -> list[float]:
@@ -72,9 +71,7 @@ def main(argv=None) -> dict:
         res[kind] = r
         print(f"{kind:9s} {r['tracked_objects']:7,} objects: a full pass {fmt(r['unfrozen'], '.1f')} ms, frozen "
               f"{fmt(r['frozen'], '.2f')} ms ({r['left_after_freeze']:,} objects left to walk)", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     return res
 
 

@@ -32,13 +32,12 @@ from typing import NamedTuple
 
 import httpx
 
-from sparkchat import paths
-
 try:
-    from bench.stats import fmt, ratios, spread
+    from bench.stats import fmt, ratios, save_json, spread
 except ModuleNotFoundError:  # run as a script (python bench/serve.py): the project root is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.stats import fmt, ratios, spread
+    from bench.stats import fmt, ratios, save_json, spread
+from sparkchat import paths  # noqa: E402  (after the project root is on the path)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me a long story about a dragon.", "What is the capital of France?",
@@ -321,9 +320,7 @@ def main(argv=None) -> dict:
         vs = f"{fmt(res['levels'][n][f'vs_{levels[0]}'], '.2f', 'x')} vs {levels[0]}, " if n != levels[0] else ""
         print(f"{n:3d} streams: {fmt(res['levels'][n]['tokens_per_s'])} tokens/s, {vs}"
               f"median (min-max) of {args.rounds} rounds", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     return res
 
 

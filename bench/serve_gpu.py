@@ -55,7 +55,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -66,7 +65,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.stats import fmt, ratios, spread  # noqa: E402
+from bench.stats import fmt, save_json, spread  # noqa: E402
 from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from serve.engine_proc import freeze_heap  # noqa: E402
@@ -418,7 +417,7 @@ def main(argv=None) -> dict:
         print(f"greedy ids of {args.trained}, graphs vs eager: {res['greedy_vs_eager_trained']}", flush=True)
         del trained
         if args.agreement_only:
-            save(res, args.out)
+            save_json(res, args.out)
             return res
     from bench.text_model import GENERATION, text_tokenizer, write_model_dir
     from model.chat_engine import chat_engine
@@ -437,11 +436,11 @@ def main(argv=None) -> dict:
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=False)
         freeze_heap()
         try:
-            rounds = measure(engine, tok, gen, levels, args, None, lambda r: save({**res, "unfinished_eager": r}, args.out))
+            rounds = measure(engine, tok, gen, levels, args, None, lambda r: save_json({**res, "unfinished_eager": r}, args.out))
             res["engine_eager"] = report(rounds, levels, "eager", bound_ms)
         finally:
             engine.shutdown()
-        save(res, args.out)
+        save_json(res, args.out)
     name = "graphs" if gpu else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(model.float(), tok, Path(tmp) / "m", gen) if args.http else None
@@ -449,7 +448,7 @@ def main(argv=None) -> dict:
         engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=1024, cuda_graphs=gpu)
         freeze_heap()  # as the server's engine process does: the reference is the engine as it serves
         try:
-            rounds = measure(engine, tok, gen, levels, args, model_dir, lambda r: save({**res, "unfinished": r}, args.out))
+            rounds = measure(engine, tok, gen, levels, args, model_dir, lambda r: save_json({**res, "unfinished": r}, args.out))
             r = report(rounds, levels, name, bound_ms)
             res["http"] = r.pop("http", None)
             res[f"engine_{name}"] = r
@@ -461,7 +460,7 @@ def main(argv=None) -> dict:
         finally:
             engine.shutdown()
     res["load_average_at_end"] = os.getloadavg()
-    save(res, args.out)
+    save_json(res, args.out)
     return res
 
 
@@ -501,13 +500,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+" if dirty else "")
-
-
-def save(res: dict, out: str | None) -> None:
-    """Written after each part, so a later part that fails loses nothing."""
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":

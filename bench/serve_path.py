@@ -16,9 +16,8 @@ import argparse
 import json
 import multiprocessing
 import time
-from pathlib import Path
 
-from bench.stats import fmt, ratios, spread
+from bench.stats import fmt, ratios, save_json, spread
 from serve.schemas import ChatCompletionChunk, ChunkChoice, Delta
 from serve.serving import TextChunks, sse
 
@@ -109,9 +108,7 @@ def main(argv=None) -> dict:
               f"front end {fmt(c['receiver_us_per_token'], '.2f')} us/token")
     print(f"sse chunk: template {fmt(res['sse_us']['template'], '.2f')} us, model_dump_json "
           f"{fmt(res['sse_us']['model_dump_json'], '.2f')} us ({fmt(res['sse_x_template'], '.2f')}x)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_json(res, args.out)
     return res
 
 

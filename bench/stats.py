@@ -6,6 +6,7 @@ spread of those per-round ratios.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -39,6 +40,13 @@ def speedup(ref: list[float], other: list[float], digits: int = 4) -> dict:
     return {"median": round(statistics.median(ref) / statistics.median(other), digits),
             "min": round(min(ref) / max(other), digits), "max": round(max(ref) / min(other), digits),
             "n": min(len(ref), len(other))}
+
+
+def save_json(res: dict, out: str | None) -> None:
+    """The results as indented JSON at `out` (its folder made), when one is given."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
 
 
 def own_peak_rss_mib() -> float:
