@@ -231,12 +231,18 @@ class TextStream:
                 if ev[2] == "error":
                     log.error("generation failed: %s", ev[4])
                 new, final = reader.finish(), True
-            if new:
-                words = "".join(e for e in new if isinstance(e, str))
-                used = used or any(isinstance(e, ToolUse) for e in new)
-                out.append(self._release(words, final) if words or final else "")
-            elif final:
-                out.append(self._release("", True))
+            words = ""
+            for e in new:  # (a loop, not two generators: this runs once a token)
+                if isinstance(e, str):
+                    words += e
+                else:  # a tool use completed: it is a piece even with no words
+                    used = True
+            if words or final:
+                if self.stop:
+                    out.append(self._release(words, final))
+                else:  # nothing to cut or hold back
+                    out.append(words)
+                    self.shown += len(words)
             if kind == FINISH:
                 self._end("stop" if ev[2] in ("stop", "cancelled") else ev[2])
         spacing = self.runtime.spacing()
