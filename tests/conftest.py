@@ -108,15 +108,27 @@ class SlowModel:
         return self.model(*a, **kw)
 
 
-def large_prompt_requests() -> list[tuple[str, dict]]:
-    """(path, body) of four 1 MB prompts, one on each generation route (chat twice: as the user's message
-    and as the system prompt): each is far past any context, and under the 1 MiB body limit."""
+def post_large_prompts(url: str) -> list[str]:
+    """Four 1 MB prompts posted at once to the server at `url`, one on each generation route (chat twice:
+    as the user's message and as the system prompt), each far past any context and under the 1 MiB body
+    limit; their error codes, as they came back."""
+    import threading
+
+    import httpx
     big = "word " * 200_000
-    return [("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "user", "content": big}]}),
-            ("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "system", "content": big},
-                                                                           {"role": "user", "content": "Hi"}]}),
-            ("/v1/completions", {"model": "sparkchat", "prompt": big}),
-            ("/v1/responses", {"model": "sparkchat", "input": big})]
+    requests = [("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "user", "content": big}]}),
+                ("/v1/chat/completions", {"model": "sparkchat", "messages": [{"role": "system", "content": big},
+                                                                               {"role": "user", "content": "Hi"}]}),
+                ("/v1/completions", {"model": "sparkchat", "prompt": big}),
+                ("/v1/responses", {"model": "sparkchat", "input": big})]
+    codes: list[str] = []
+    threads = [threading.Thread(target=lambda u=u, b=b: codes.append(
+        httpx.post(url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes
 
 
 class BrokenModel:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import large_prompt_requests
+from conftest import post_large_prompts
 
 MAX_TOKENS = 3000  # a stream long enough to be running when a process is killed
 
@@ -226,13 +226,7 @@ def test_four_1mb_prompts_do_not_stall_a_running_stream(long_model_dir, banned):
 
     def flood():
         started.append(time.monotonic())
-        threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
-            httpx.post(server.url + u, json=b, timeout=60).json()["error"]["code"]))
-            for u, b in large_prompt_requests()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        statuses.extend(post_large_prompts(server.url))
         answered.append(time.monotonic())
 
     try:

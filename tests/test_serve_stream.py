@@ -12,7 +12,7 @@ import types
 import httpx
 import openai
 import pytest
-from conftest import SlowModel, broken_app, large_prompt_requests
+from conftest import SlowModel, broken_app, post_large_prompts
 
 from serve.api import Settings, create_app
 from serve.runtime import Runtime, TextStream, Wake
@@ -212,12 +212,7 @@ def test_four_1mb_prompts_are_refused_without_being_tokenized(serve_start, serve
     statuses, answered, arrivals = [], [], []
 
     def flood():
-        threads = [threading.Thread(target=lambda u=u, b=b: statuses.append(
-            httpx.post(srv.url + u, json=b, timeout=60).json()["error"]["code"])) for u, b in large_prompt_requests()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        statuses.extend(post_large_prompts(srv.url))
         answered.append(time.monotonic())
 
     flooder = threading.Thread(target=flood)
