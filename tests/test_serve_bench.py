@@ -109,10 +109,11 @@ def test_tree_cpu_counts_a_child_process():
 
 def test_the_event_floor_counts_every_token_its_bare_app_sent(tmp_path):
     """bench/sse_floor.py: at 2 tokens an event, 4 streams of 6 tokens each, every token is counted and
-    the server's CPU a token is a positive figure with its rounds' range."""
+    the server's CPU a token is a positive figure with its rounds' range. The CPU is read in 10 ms clock
+    ticks: a round of 1 s spends several of them (at 0.2 s one round read 0 ticks on CI)."""
     from bench.sse_floor import main
     out = tmp_path / "floor.json"
-    res = main(["--streams", "4", "--tokens-per-event", "2", "--new", "6", "--rounds", "2", "--seconds", "0.2",
+    res = main(["--streams", "4", "--tokens-per-event", "2", "--new", "6", "--rounds", "2", "--seconds", "1",
                 "--tick", "0.005", "--out", str(out)])
     level = res["levels"][2]
     assert all(r["tokens"] % (4 * 6) == 0 and r["tokens"] > 0 for r in level["rounds"])
