@@ -268,7 +268,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache: KVCache | None = None,
                 reduction: str = "mean", kv_len: int | None = None):
-        """Logits (B, T, V), or the loss with `targets`. With `kv_cache`, the new tokens go after each
+        """Logits (B, T, V), or the loss with `targets` (`reduction` "kept": the -log p of each target that is
+        not -1, in order, the head run at those positions only; it has data-dependent shapes, so it is
+        for uncompiled use). With `kv_cache`, the new tokens go after each
         row's cached ones; `kv_len`, when the caller knows it, bounds every row's length after this
         call (it keeps the call free of host synchronisation, so it can be captured in a CUDA graph)."""
         x, xn, cos, sin, positions, mask = self.inputs(idx, kv_cache, kv_len)
@@ -309,6 +311,10 @@ class GPT(nn.Module):
     def head(self, xn, targets=None, reduction: str = "mean"):
         """Output head on the last block's normed stream, logit cap and (with targets) the loss. A method
         of its own so a backend that compiles block by block can compile this part too."""
+        if reduction == "kept":  # -log p of each kept target only: the head runs at those positions alone
+            keep = targets.reshape(-1) != -1  # (an RL step scores a few reply ids after a long prompt)
+            xn, targets = xn.reshape(-1, xn.size(-1))[keep], targets.reshape(-1)[keep]
+            reduction = "none"
         logits = self.lm_head(xn).float()
         cap = self.config.logit_softcap
         logits = cap * torch.tanh(logits / cap)

@@ -303,7 +303,8 @@ class RLParams(OptimizerParams):
     KEY: ClassVar[str] = "rl"
     MINIMUM: ClassVar[dict[str, float]] = {**OptimizerParams.MINIMUM, "steps": 1, "prompts_per_step": 1, "samples": 2,
                                            "max_new_tokens": 1, "top_k": 0, "device_batch": 1, "eval_items": 1,
-                                           "passk_items": 0, "eval_every": 0, "checkpoint_every": 1}
+                                           "passk_items": 0, "eval_every": 0, "checkpoint_every": 1,
+                                           "replay_weight": 0.0}
     # a tenth of pretraining's learning rates: the policy moves from SFT's weights, not from noise
     matrix_lr: float = 0.002
     embedding_lr: float = 0.02
@@ -311,16 +312,17 @@ class RLParams(OptimizerParams):
     enabled: bool = True
     """false: the stage copies the SFT model unchanged to the chat model's place (export and the server then
     take SFT's model)."""
-    tasks: list[RLTask] = field(default_factory=lambda: ["letter_count", "largest"])
+    tasks: list[RLTask] = field(default_factory=lambda: ["largest"])
     """Tasks trained on, equally often: the synthetic ones (prompts generated with `seed`, never one of the held-out
-    items), and gsm8k (its `gsm8k_train` rows). Not spelling by default: SFT almost never spells a word right, so
-    its rewards are all 0 and teach nothing (docs/rl.md)."""
+    items), and gsm8k (its `gsm8k_train` rows). By default largest of four, the one SFT leaves room on that RL can
+    learn: not spelling (SFT almost never spells a word right, so its rewards are all 0), not letter counting
+    beside it (its long replies take nearly all of a step's token-normalised weight; docs/rl.md)."""
     gsm8k_train: str = ""
     """GSM8K's training items in the hub's schema (question, answer '... #### N'): hub:openai/gsm8k:main (its train
     split) or a local .jsonl/.json/.parquet file; '' = none."""
     gsm8k_test: str = ""
     """GSM8K's held-out items for pass@1/pass@k (a hub source: its test split); '' = none."""
-    steps: int = 30
+    steps: int = 200
     """Optimizer steps, each on a fresh batch of rollouts (on-policy)."""
     prompts_per_step: int = 16
     """Prompts per step over all ranks (split evenly over them: a multiple of the rank count)."""
@@ -337,6 +339,10 @@ class RLParams(OptimizerParams):
     std_advantage: bool = False
     """Divide each advantage by its group's reward standard deviation (GRPO); false = reward - group mean only
     (docs/rl.md says why)."""
+    replay_weight: float = 1.0
+    """Weight of a supervised replay term (0: off): each step also takes `prompts_per_step` SFT conversations of
+    the synthetic tasks not in `tasks` (their gold replies, never a held-out item) and adds this times their
+    mean cross-entropy to the loss, so what RL does not train is held where SFT left it (docs/rl.md)."""
     eval_items: int = 200
     """Held-out items per task for pass@1 (the greedy reply, as the evaluate stage scores), before and after
     training."""

@@ -43,7 +43,7 @@ from .checkpoint import LAST_DIR, fingerprint, load_checkpoint, load_sharded, re
 from .config import ConfigError, Params, load_params, resolve_source
 from .data import DataError
 from .metrics import TSVLog, write_reports
-from .rollouts import PromptSource, advantages, heldout, loss_batch, pass_at, policy_loss, rollouts
+from .rollouts import PromptSource, advantages, heldout, loss_batch, loss_rows, pass_at, policy_loss, rollouts
 from .runtime import LaunchError, launch, log
 from .train import setup_stage, stage_backend, start
 
@@ -184,14 +184,18 @@ def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float, dict]
     for part in all_gather(per_task):
         for task, v in part.items():
             stats[task] = [a + b for a, b in zip(stats.get(task, [0.0, 0, 0]), v)]
+    replay = run.source.replay(step, r.prompts_per_step, run.rank * share, share) if r.replay_weight else []
     totals = torch.tensor([float(sum(sum(x.mask) for x in rolls)), float(rewards.sum()),
-                           float(sum(x.reply_tokens for x in rolls))], dtype=torch.float64)
+                           float(sum(x.reply_tokens for x in rolls)), float(sum(sum(x.mask) for x in replay))],
+                          dtype=torch.float64)
     if world > 1:
         dist.all_reduce(totals)
     n_tokens = max(1.0, float(totals[0]))
-    chunks = range(0, len(rolls), r.device_batch)
-    for i, lo in enumerate(chunks):
-        x, y, a = loss_batch(rolls[lo:lo + r.device_batch], adv[lo:lo + r.device_batch], run.device)
+    if replay:  # a weight on every gold id that makes their sum, / n_tokens below, replay_weight x their mean loss
+        rolls, adv = rolls + replay, torch.cat([adv, torch.full((len(replay),), r.replay_weight * n_tokens / float(totals[3]))])
+    chunks = loss_rows(rolls, adv, -(-len(rolls) // r.device_batch))  # as many on every rank
+    for i, (rows, row_adv) in enumerate(chunks):
+        x, y, a = loss_batch(rows, row_adv, run.device)
         last = i == len(chunks) - 1
         sync = model.no_sync() if world > 1 and not run.sharded and not last else contextlib.nullcontext()
         with sync, autocast:

@@ -9,6 +9,7 @@
   The calculator runs in the loop; the ids it feeds (`Token.forced`) are kept out of the loss, as the
   prompt is: the policy did not choose them.
 - `advantages`: reward - the mean reward of the prompt's group (optionally / the group's std).
+- `loss_rows`: the rollouts the loss needs (equal ones merged, those of advantage 0 left out), in batches.
 - `policy_loss`: -advantage x log-probability of every sampled id, summed and divided by the number of
   sampled ids in the whole step, on every rank (token-level normalisation).
 """
@@ -28,7 +29,7 @@ from sparkchat import paths
 from .benchmarks import load_benchmark
 from .config import RLParams, resolve_source
 from .data import DataError
-from .synthetic import TRAIN_MIX, normalize_prompt
+from .synthetic import TRAIN_MIX, normalize_prompt, to_messages
 from .tasks import SYNTHETIC, is_correct, reply_text
 
 MAX_REDRAWS = 1000  # a synthetic prompt is redrawn while it is a held-out one; the pools are far larger
@@ -77,8 +78,10 @@ class PromptSource:
 
     def __init__(self, tok, r: RLParams):
         self.tok, self.tasks, self.seed = tok, r.tasks, r.seed
+        # the SFT tasks that the replay term keeps (docs/rl.md): every synthetic one not trained on here
+        self.replayed = [t for t in TRAIN_MIX if t not in r.tasks] if r.replay_weight else []
         # every held-out item, not only the eval_items scored: none may be trained on
-        self.held_out = {normalize_prompt(it["prompt"]) for t in r.tasks if t in SYNTHETIC
+        self.held_out = {normalize_prompt(it["prompt"]) for t in SYNTHETIC if t in r.tasks or t in self.replayed
                          for it in read_jsonl(paths.EVAL_ITEMS / f"{t}.jsonl")}
         self.gsm8k = []
         if "gsm8k" in r.tasks:
@@ -88,11 +91,26 @@ class PromptSource:
     def draw(self, task: str, rng: random.Random) -> tuple[str, str]:
         if task == "gsm8k":
             return self.gsm8k[rng.randrange(len(self.gsm8k))]
+        it = self.item(task, rng)
+        return it["prompt"], it["answer"]
+
+    def item(self, task: str, rng: random.Random) -> dict:
+        """A synthetic item of `task` that is not a held-out one."""
         for _ in range(MAX_REDRAWS):
             it = TRAIN_MIX[task][0](rng)
             if normalize_prompt(it["prompt"]) not in self.held_out:
-                return it["prompt"], it["answer"]
+                return it
         raise DataError(f"no {task} prompt outside the held-out items in {MAX_REDRAWS} draws")
+
+    def replay(self, step: int, n: int, first: int, count: int) -> list[Rollout]:
+        """Items `first`..`first + count` of step `step`'s `n` replay conversations (tasks in turn), as rows whose
+        mask is the gold reply's ids (render's training mask: the calculator's outputs left out)."""
+        out = []
+        for i in range(first, first + count):
+            task = self.replayed[(step * n + i) % len(self.replayed)]
+            ids, mask = render(self.tok, to_messages(self.item(task, random.Random(f"{self.seed}/replay/{step}/{i}"))))
+            out.append(Rollout(-1, ids, mask, 0.0, 0))
+        return out
 
     def step(self, step: int, n: int) -> list[Prompt]:
         out = []
@@ -151,6 +169,25 @@ def advantages(rewards: torch.Tensor, group_size: int, divide_by_std: bool) -> t
     return adv.view(-1)
 
 
+def loss_rows(rolls: list[Rollout], adv: torch.Tensor, chunks: int) -> list[tuple[list[Rollout], torch.Tensor]]:
+    """The rollouts that move the loss, in `chunks` batches: equal rollouts (same ids, same mask) merged into
+    one row whose advantage is the sum of theirs, and rows whose advantage is 0 (every reply of a group that
+    all scored alike) left out. The loss is linear in the advantage, so this is the same loss; an RL step's
+    replies are often short and alike (largest of four has 4 of them), and their rows are nearly all prompt.
+    Every batch keeps at least one row (advantage 0 if need be): each rank runs as many forward and backward
+    passes as the others, which DDP and FSDP need."""
+    rows: dict[tuple, list] = {}
+    for r, a in zip(rolls, adv.tolist()):
+        key = (tuple(r.ids), tuple(r.mask))
+        if key in rows:
+            rows[key][1] += a
+        else:
+            rows[key] = [r, a]
+    kept = [(r, a) for r, a in rows.values() if a != 0.0]
+    kept += [(rolls[0], 0.0)] * (chunks - len(kept))
+    return [([r for r, _ in kept[i::chunks]], torch.tensor([a for _, a in kept[i::chunks]])) for i in range(chunks)]
+
+
 def loss_batch(rolls: list[Rollout], adv: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, advantage per target) of some rollouts, right-padded; targets the policy did not
     sample (prompt, calculator output, padding) are -1, which the model's loss ignores."""
@@ -169,8 +206,8 @@ def loss_batch(rolls: list[Rollout], adv: torch.Tensor, device) -> tuple[torch.T
 def policy_loss(model, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """sum over sampled ids of -advantage x log p(id), divided by `n_tokens` (the sampled ids of the whole step,
     all ranks): every id weighs the same, whatever the length of its reply (token-level normalisation)."""
-    nll = model(x, y, reduction="none").view_as(a)  # -log p at the kept targets, 0 at the ignored ones
-    return (a * nll).sum() / n_tokens
+    nll = model(x, y, reduction="kept")  # -log p of the sampled ids (the head runs at their positions only)
+    return (a[y != -1] * nll).sum() / n_tokens
 
 
 def pass_at(engine: Engine, tok, task: str, items: list[tuple[int, str, str]], r: RLParams) -> tuple[list, list]:

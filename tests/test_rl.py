@@ -86,6 +86,33 @@ def test_rollouts_mask_the_prompt_and_the_calculator_output(conv_tool_model_dir,
     assert advantages(torch.tensor([1.0, 1.0]), 2, False).tolist() == [0.0, 0.0]  # both right: no push either way
 
 
+def test_merged_rows_give_the_same_gradient_as_every_rollout(serve_model):
+    """loss_rows: equal rollouts merged (advantages summed), rows of advantage 0 left out, in as many batches
+    as asked (padded with a row of advantage 0): the gradient is that of the loss over every rollout."""
+    from pipeline.rollouts import Rollout, loss_batch, loss_rows, policy_loss
+    prompt = [5, 6, 7, 8]
+    a, b, c = prompt + [20, 1], prompt + [21, 1], prompt + [22, 23, 1]
+    rolls = [Rollout(0, ids, [0] * 4 + [1] * (len(ids) - 4), 0.0, len(ids) - 4)
+             for ids in (a, a, b, a, c, c, b, a)] + [Rollout(1, [9, 9, 20, 1], [0, 0, 1, 1], 1.0, 2)] * 4
+    adv = torch.tensor([0.5, 0.5, -0.25, 0.5, -0.5, -0.5, -0.25, 0.0, 0, 0, 0, 0])
+    n_tokens = sum(sum(r.mask) for r in rolls)
+    chunks = loss_rows(rolls, adv, 3)
+    assert len(chunks) == 3 and sorted(len(rows) for rows, _ in chunks) == [1, 1, 1]  # a, b, c: one row each
+    assert sorted(x for _, w in chunks for x in w.tolist()) == pytest.approx([-1.0, -0.5, 1.5])
+    model = serve_model
+
+    def grad(batches):
+        model.zero_grad()
+        for rows, w in batches:
+            policy_loss(model, *loss_batch(rows, w, "cpu"), n_tokens).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    want = grad([(rolls, adv)])
+    assert torch.allclose(grad(chunks), want, atol=1e-6) and want.abs().max() > 1e-4
+    assert [len(rows) for rows, _ in loss_rows(rolls[8:], adv[8:], 2)] == [1, 1]  # nothing to learn: 2 zero rows
+    model.zero_grad()
+
+
 def test_training_prompts_are_never_held_out_and_the_same_every_run(tmp_path, monkeypatch, serve_tokenizer):
     from pipeline.rollouts import PromptSource
     from pipeline.synthetic import generate_eval, normalize_prompt
@@ -108,6 +135,38 @@ def test_training_prompts_are_never_held_out_and_the_same_every_run(tmp_path, mo
                        if h.startswith("spell")), "a held-out spelling prompt was drawn"
     assert tasks.count("spelling") == tasks.count("largest")
     assert a.step(3, 16) != a.step(4, 16)
+
+
+def test_replay_is_sft_gold_of_the_tasks_not_trained_never_held_out(tmp_path, monkeypatch, serve_tokenizer):
+    """The replay term's rows: gold conversations of every SFT synthetic task not in rl.tasks, taking turns, none
+    a held-out item, the same every run, a rank's share the same rows as in one run; the mask is the training
+    renderer's (the gold reply's ids, without the calculator's output)."""
+    from model.chat import render
+    from pipeline.rollouts import PromptSource
+    from pipeline.synthetic import TRAIN_MIX, generate_eval, normalize_prompt
+    from sparkchat import paths
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / paths.EVAL_ITEMS).mkdir(parents=True)
+    held = generate_eval(200, seed=1337)
+    for task, items in held.items():
+        (tmp_path / paths.EVAL_ITEMS / f"{task}.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
+    src = PromptSource(serve_tokenizer, RLParams(tasks=["largest"], replay_weight=1.0))
+    assert src.replayed == [t for t in TRAIN_MIX if t != "largest"]
+    assert PromptSource(serve_tokenizer, RLParams(tasks=["largest"], replay_weight=0.0)).replayed == []
+    held_out = {normalize_prompt(it["prompt"]) for items in held.values() for it in items}
+    s = serve_tokenizer.special
+    for step in range(10):
+        rows = src.replay(step, 12, 0, 12)
+        assert [(r.ids, r.mask) for r in rows] == [(r.ids, r.mask) for r in src.replay(step, 12, 0, 6) + src.replay(step, 12, 6, 6)]
+        for r in rows:
+            user = serve_tokenizer.decode(r.ids[r.ids.index(s["<|user_start|>"]) + 1:r.ids.index(s["<|user_end|>"])])
+            assert normalize_prompt(user) not in held_out
+            reply = r.ids[r.ids.index(s["<|assistant_start|>"]):]
+            assert sum(r.mask) > 0 and render(serve_tokenizer, [{"role": "user", "content": user}],
+                                              for_completion=True)[0] + reply[1:] == r.ids
+            if s["<|output_start|>"] in r.ids:  # a calculator result is given, not learned
+                assert r.mask[r.ids.index(s["<|output_start|>"]) + 1] == 0
+    assert src.replay(1, 12, 0, 12)[0].ids != src.replay(2, 12, 0, 12)[0].ids
 
 
 def base() -> dict:
