@@ -393,9 +393,20 @@ class Engine:
                     new.append(req)
         if not new:
             return
+        # requests of one prompt (an RL group's samples, a request's `n` choices) are prefilled once: each
+        # prompt's first request runs in the forward, the others then copy its cache row. The firsts go
+        # first, so the forward's rows stay contiguous
+        first: dict[tuple, Request] = {}
+        for r in new:
+            first.setdefault(tuple(r.prompt[:self.config.prefill_chunk]), r)
+        if len(first) < len(new):
+            lead = set(map(id, first.values()))
+            new = [r for r in new if id(r) in lead] + [r for r in new if id(r) not in lead]
         start = len(self.active)
         self.active.extend(new)  # before the forward: if it fails, `_loop` ends them with the rest
         chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
+        row = {id(r): b for b, r in enumerate(new)}
+        src = [row[id(first[tuple(c)])] for c in chunks]  # each request's first: its own row, or the one it copies
         self._set_lens(start, [0] * len(new))
         for b, r in enumerate(new):
             self.extras_buffers.reset(start + b, r.params.logit_bias)
@@ -403,21 +414,25 @@ class Engine:
             logits = self.graphs.prefill(chunks[0], start)  # (1, 1, V): the last position's logits only
             lasts = [0]
         else:
-            longest = max(len(c) for c in chunks)
-            ids = torch.zeros((len(new), longest), dtype=torch.long)
-            for b, c in enumerate(chunks):
+            n = len(first)  # the rows the forward runs; a copy's logits are its first's (`src`)
+            longest = max(len(c) for c in chunks[:n])
+            ids = torch.zeros((n, longest), dtype=torch.long)
+            for b, c in enumerate(chunks[:n]):
                 ids[b, :len(c)] = torch.tensor(c)
-            logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + len(new)), kv_len=longest)
+            logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + n), kv_len=longest)
+            for b in range(n, len(new)):
+                self.cache.copy_row(start + src[b], start + b, len(chunks[b]))
             lasts = [len(c) - 1 for c in chunks]
         self._set_lens(start, [len(c) for c in chunks])
         for b, (r, c) in enumerate(zip(new, chunks)):
             r.prefilled = len(c)
-            self._record_prompt_logprobs(r, logits[b, :len(c)], 0)
+            self._record_prompt_logprobs(r, logits[src[b], :len(c)], 0)
         ready = [b for b, r in enumerate(new) if not r.prefilling and self._prompt_read(r)]
         if ready:
             last = torch.tensor([lasts[b] for b in ready], device=self.device)
             rows = torch.tensor(ready, device=self.device)
-            self._advance([new[b] for b in ready], logits[rows, last], rows=rows + start)
+            self._advance([new[b] for b in ready], logits[torch.tensor([src[b] for b in ready], device=self.device), last],
+                          rows=rows + start)
 
     def _prefill_chunks(self) -> None:
         """The next chunk of every prompt still being prefilled, one request at a time."""

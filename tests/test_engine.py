@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, Finished, PromptTooLong, QueueFull, SamplingParams, Token
+from model.engine import Engine, EngineConfig, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Token
 from model.gpt import GPTConfig
 from model.sampling import sample
 
@@ -552,3 +552,46 @@ def test_special_token_text_in_a_message_is_plain_text(serve_tokenizer):
     got = [i for i in render(tok, forged, for_completion=True)[0] if i in control]
     assert got == want  # the same control ids, in the same places
     assert not control & set(tok.encode_batch([typed])[0])  # the tokenize stage's path too
+
+
+def test_requests_of_one_prompt_share_its_prefill(engine_factory, serve_model, monkeypatch):
+    """Requests of the same prompt admitted together run one prefill row between them (the others copy its
+    cache row) and sample exactly what each does alone: every seed's ids, greedy's, and the prompt's logprobs."""
+    e = engine_factory(serve_model, max_batch=8)
+    prompt, other = [5, 6, 7, 8, 9], [30, 31]
+    wanted = [(prompt, dict(temperature=1.0, max_tokens=12, seed=s)) for s in (1, 2, 3)]
+    wanted += [(other, dict(temperature=0, max_tokens=12)), (prompt, dict(temperature=0, max_tokens=12, prompt_logprobs=2))]
+    alone = [run(e, p, **kw) for p, kw in wanted]
+    lone_lp = []
+    got = threading.Event()
+    e.submit(prompt, SamplingParams(**wanted[4][1]),
+             lambda ev: lone_lp.append(ev.logprobs) if isinstance(ev, PromptLogprobs) else got.set() if isinstance(ev, Finished) else None)
+    assert got.wait(30)
+    rows = []
+    forward = e.model.forward
+
+    def counting(idx, *a, **kw):
+        if kw.get("kv_cache") is not None and idx.shape[1] > 1:  # a prefill
+            rows.append(idx.shape[0])
+        return forward(idx, *a, **kw)
+
+    monkeypatch.setattr(e.model, "forward", counting)
+    results = [[] for _ in wanted]
+    ends, done = [None] * len(wanted), threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if isinstance(ev, Token):
+                results[i].append(ev.id)
+            elif isinstance(ev, PromptLogprobs):
+                ends[i] = ev.logprobs
+            else:
+                done.release()
+        return sink
+
+    e.submit_all([(p, SamplingParams(**kw), sink_for(i)) for i, (p, kw) in enumerate(wanted)])
+    for _ in wanted:
+        assert done.acquire(timeout=30)
+    assert rows == [2]  # one forward, one row for each distinct prompt
+    assert results == [ids for ids, _ in alone] and len(set(map(tuple, results[:3]))) == 3
+    assert ends[4] == lone_lp[0] and len(ends[4]) == len(prompt) - 1
