@@ -6,8 +6,9 @@ the generated ids one event at a time through a `sink` callback; tokenizing, cha
 
 Continuous batching. One `KVCache` holds `max_batch` rows. The active sequences always occupy rows
 0..n-1. Between decode steps the scheduler admits the waiting requests that fit into rows n..n+k-1 and
-prefills them in one forward over `cache.view(n, n+k)` (k=1: a request alone in row n), then every
-active row decodes together in one forward over `cache.view(0, n+k)`.
+prefills them in one forward over `cache.view(n, n+k)` (k=1: a request alone in row n; requests of one
+prompt run one row of it, which the others copy), then every active row decodes together in one forward
+over `cache.view(0, n+k)`.
 A finished or cancelled row leaves at once: the last active row is moved into its slot (`copy_row`), so
 the rows stay contiguous and the next step is again one forward over rows 0..n-1.
 A prompt longer than `prefill_chunk` is prefilled a chunk per scheduler step, so the rows already

@@ -27,7 +27,7 @@ from test_pipeline_e2e import TINY, deep_update, dvc, env, make_project, ran_sta
 pytestmark = pytest.mark.slow
 
 RL_TINY = deep_update(json.loads(json.dumps(TINY)), {"rl": {
-    "steps": 24, "prompts_per_step": 4, "samples": 2, "max_new_tokens": 8, "device_batch": 4, "eval_items": 4,
+    "tasks": ["letter_count", "largest"], "steps": 24, "prompts_per_step": 4, "samples": 2, "max_new_tokens": 8, "device_batch": 4, "eval_items": 4,
     "passk_items": 2, "checkpoint_every": 3}})
 
 
