@@ -97,8 +97,9 @@ class DataParams(Settings):
     """Share of the generated exchanges asked once more inside conversations of two or three exchanges
     (each is also a conversation of its own), so the model learns to answer the last question with
     earlier turns in its context, as the chat front ends send them. 0: single exchanges only."""
-    synthetic_eval: int = 200
-    """Held-out generated items per eval task (never in training data)."""
+    synthetic_eval: int = 400
+    """Held-out generated items per eval task (never in training data); a task with a small pool of prompts
+    holds out at most half of it (spelling: 193)."""
     seed: int = 1337
     """Seed of the generated exchanges, of the conversations' shuffle and of the validation split."""
 
@@ -343,7 +344,7 @@ class RLParams(OptimizerParams):
     """Weight of a supervised replay term (0: off): each step also takes `prompts_per_step` SFT conversations of
     the synthetic tasks not in `tasks` (their gold replies, never a held-out item) and adds this times their
     mean cross-entropy to the loss, so what RL does not train is held where SFT left it (docs/rl.md)."""
-    eval_items: int = 200
+    eval_items: int = 400
     """Held-out items per task for pass@1 (the greedy reply, as the evaluate stage scores), before and after
     training."""
     passk_items: int = 50

@@ -191,19 +191,19 @@ def generate_train(n: int, seed: int) -> list[dict]:
 
 
 def generate_eval(n_per_task: int, seed: int) -> dict[str, list[dict]]:
-    """Distinct held-out items per task (distinct prompts), from a seed of their own."""
+    """Distinct held-out items per task (distinct prompts), from a seed of their own: the first `n_per_task`
+    distinct prompts of 50 x `n_per_task` draws, but never more than half of the distinct prompts those draws
+    found, so a task with a small pool (spelling: 387 prompts) leaves training half of it."""
     out = {}
     for i, task in enumerate(EVAL_TASKS):
         rng = random.Random(seed * 1000 + i)
         seen, items = set(), []
         for _ in range(n_per_task * 50):
-            if len(items) == n_per_task:
-                break
             it = TRAIN_MIX[task][0](rng)
             if it["prompt"] not in seen:
                 seen.add(it["prompt"])
                 items.append(it)
-        out[task] = items
+        out[task] = items[:min(n_per_task, len(seen) // 2)]
     return out
 
 

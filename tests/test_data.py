@@ -58,6 +58,15 @@ def test_synthetic_items_are_correct_and_seeded():
             assert outs[-1] == it["answer"]
 
 
+def test_held_out_items_leave_training_half_of_a_small_pool():
+    """generate_eval: the first n distinct prompts of a task, the same at any n (a prefix), but at most half
+    of the distinct prompts its draws found: spelling's pool is 387 prompts, so it holds out 193."""
+    big, small = synthetic.generate_eval(400, seed=5), synthetic.generate_eval(100, seed=5)
+    assert {t: len(v) for t, v in big.items()} == {t: 193 if t == "spelling" else 400 for t in synthetic.EVAL_TASKS}
+    assert all(big[t][:100] == small[t] for t in synthetic.EVAL_TASKS)
+    assert all(len({it["prompt"] for it in v}) == len(v) for v in big.values())
+
+
 def test_synthetic_items_come_alone_and_again_in_multi_turn_conversations():
     items = synthetic.generate_train(300, seed=3)
     convs = synthetic.conversations(items, 0.5, seed=5)
