@@ -395,19 +395,21 @@ class Engine:
         if not new:
             return
         # requests of one prompt (an RL group's samples, a request's `n` choices) are prefilled once: each
-        # prompt's first request runs in the forward, the others then copy its cache row. The firsts go
-        # first, so the forward's rows stay contiguous
-        first: dict[tuple, Request] = {}
+        # prompt's first request runs in the forward, the others then copy its cache row (`src`: the row
+        # whose logits and cache each request takes). The firsts go first: the forward's rows are contiguous
+        firsts, copies, src, row_of = [], [], [], {}
         for r in new:
-            first.setdefault(tuple(r.prompt[:self.config.prefill_chunk]), r)
-        if len(first) < len(new):
-            lead = set(map(id, first.values()))
-            new = [r for r in new if id(r) in lead] + [r for r in new if id(r) not in lead]
+            key = tuple(r.prompt[:self.config.prefill_chunk])
+            if key in row_of:
+                copies.append(r)
+                src.append(row_of[key])
+            else:
+                row_of[key] = len(firsts)
+                firsts.append(r)
+        new, src = firsts + copies, list(range(len(firsts))) + src
         start = len(self.active)
         self.active.extend(new)  # before the forward: if it fails, `_loop` ends them with the rest
         chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
-        row = {id(r): b for b, r in enumerate(new)}
-        src = [row[id(first[tuple(c)])] for c in chunks]  # each request's first: its own row, or the one it copies
         self._set_lens(start, [0] * len(new))
         for b, r in enumerate(new):
             self.extras_buffers.reset(start + b, r.params.logit_bias)
@@ -415,7 +417,7 @@ class Engine:
             logits = self.graphs.prefill(chunks[0], start)  # (1, 1, V): the last position's logits only
             lasts = [0]
         else:
-            n = len(first)  # the rows the forward runs; a copy's logits are its first's (`src`)
+            n = len(firsts)  # the rows the forward runs
             longest = max(len(c) for c in chunks[:n])
             ids = torch.zeros((n, longest), dtype=torch.long)
             for b, c in enumerate(chunks[:n]):
