@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     source = PromptSource(tok, r)
     res: dict = {"model": args.model, "tasks": r.tasks, "prompts_per_step": r.prompts_per_step, "samples": r.samples,
                  "device_batch": r.device_batch, "steps": []}
-    ref_s, new_s, per_round = [], [], []
+    ref_s, new_s = [], []
     for step in range(args.steps):
         engine = chat_engine(model, tok, gen, max_batch=min(256, r.prompts_per_step * r.samples),
                              max_queue=r.prompts_per_step * r.samples + 1, cuda_graphs=False)
@@ -79,7 +79,6 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"the two gradients differ (max relative difference {diff:.2e})")
             ref_s.append(a)
             new_s.append(b)
-            per_round.append(a / b)
         res["steps"].append({"step": step, "rollouts": len(rolls), "rows": rows,
                              "rollout_ids": sum(len(x.ids) for x in rolls), "sampled_ids": n_tokens,
                              "reference_s": ref_s[-args.rounds:], "stage_s": new_s[-args.rounds:]})
@@ -87,7 +86,7 @@ def main(argv=None) -> dict:
               f"the stage's {fmt(spread(new_s[-args.rounds:]), '.3f')} s", flush=True)
     res["reference_s"], res["stage_s"] = spread(ref_s), spread(new_s)
     res["speedup"] = spread(ratios(ref_s, new_s), 2)
-    print(f"the update, reference / the stage's: {fmt(res['speedup'], '.2f', 'x')} over {len(per_round)} rounds")
+    print(f"the update, reference / the stage's: {fmt(res['speedup'], '.2f', 'x')} over {len(ref_s)} rounds")
     save_json(res, args.out)
     return res
 
