@@ -199,7 +199,8 @@ def test_gsm8k_fixture_loads_in_the_hub_schema(serve_tokenizer):
     train rows are the prompts, its test rows the held-out items, the answers GSM8K's final numbers."""
     from pipeline.rollouts import PromptSource, heldout
     r = RLParams(tasks=["gsm8k"], gsm8k_train="tests/fixtures/evals/gsm8k_train.jsonl",
-                 gsm8k_test="tests/fixtures/evals/gsm8k.jsonl", eval_items=4)
+                 gsm8k_test="tests/fixtures/evals/gsm8k.jsonl", eval_items=4,
+                 replay_weight=0.0)  # no replay: nothing here reads the prepare stage's items
     items = heldout("gsm8k", 4, r)
     assert len(items) == 4 and all(a.lstrip("-").replace(".", "").isdigit() for _, a in items)
     train = [json.loads(line) for line in (ROOT / r.gsm8k_train).read_text().splitlines()]
