@@ -264,6 +264,36 @@ def test_fused_mlp_same_results_cpu():
     assert all(torch.equal(a, b) for a, b in zip(hists, net.buffers()))
 
 
+def test_any_token_count_trains_in_gemms_of_multiples_of_16(monkeypatch):
+    """CUDA's FP8 GEMM refuses a token count not divisible by 16 (the rl stage's rows have any length): the
+    backend adds zero rows, so every GEMM here has such shapes (checked as _scaled_mm does), and the output
+    and gradients are those of the same tokens padded by the caller."""
+    from model.precision import fp8 as fp8_mod
+    real = fp8_mod.scaled_mm
+
+    def strict(a, b, **kw):
+        assert not (a.shape[0] % 16 or a.shape[1] % 16 or b.shape[1] % 16), (tuple(a.shape), tuple(b.shape))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(fp8_mod, "scaled_mm", strict)
+    for options in ({"mlp": "fused"}, {"mlp": "linear"}, {"cast": "inline"}):
+        torch.manual_seed(0)
+        net = _Wrap(32)
+        backend = get_backend("fp8", options, LayerFilter(16, []))
+        backend.convert(net)
+        x = torch.randn(5, 13, 32, requires_grad=True)  # 65 tokens
+        padded = torch.cat([x.detach().reshape(65, 32), torch.zeros(15, 32)]).requires_grad_()
+        out = []
+        for inp, take in ((x, lambda y: y.reshape(65, 32)), (padded, lambda y: y[:65])):
+            net.zero_grad()
+            with backend.autocast(torch.device("cpu")):
+                y = take(net(inp))
+            y.float().square().sum().backward()
+            out.append([y.detach(), inp.grad.reshape(-1, 32)[:65], *[p.grad.clone() for p in net.parameters()]])
+        for a, b in zip(*out, strict=True):
+            assert torch.equal(a, b), options
+
+
 def test_fused_mlp_only_with_the_kernel_and_relu2():
     net = _Wrap(32)
     get_backend("fp8", {"cast": "inline"}, LayerFilter(16, [])).convert(net)

@@ -195,6 +195,18 @@ class ConvertedLinear(nn.Linear):
         return super().extra_repr() + f", {type(self).__name__}"
 
 
+# FP8 and FP4 tensor-core GEMMs want every dimension divisible by 16, the token count included: it is the
+# inner dimension of the weight-gradient GEMM. A batch of any other count (the rl stage's rows) runs with
+# zero rows added, which change no amax, no scale and no gradient.
+ROW_MULTIPLE = 16
+
+
+def pad_rows(t: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """t (2-D) with zero rows added up to a multiple of `multiple` rows; t itself when it has one."""
+    extra = (-t.shape[0]) % multiple
+    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The high-precision dtype a converted Linear computes in: the autocast dtype when autocast is on
     for x's device, else x's own dtype (fp32 on CPU)."""

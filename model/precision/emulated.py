@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from . import formats as fm
-from .base import ConvertedLinear, LayerFilter, PrecisionBackend, low_precision_enabled, matmul_dtype, swap_linears
+from .base import (ConvertedLinear, LayerFilter, PrecisionBackend, low_precision_enabled, matmul_dtype, pad_rows,
+                   swap_linears)
 from .options import Nvfp4Options
 
 
@@ -50,11 +51,6 @@ class _FakeFp8Matmul(torch.autograd.Function):
         return gx, gw, None
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = (-t.shape[0]) % multiple
-    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
-
-
 class _FakeNvfp4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, cdtype, tile_2d, stochastic, rht):
@@ -75,8 +71,8 @@ class _FakeNvfp4Matmul(torch.autograd.Function):
         w_n = wq if tile_2d else fm.fake_quant_nvfp4(wc.t()).t()  # W blocked along N
         gx = (gq @ w_n).reshape(*gy.shape[:-1], wc.shape[1]).to(xdt)
         # wgrad: contraction over tokens M
-        x2 = _pad_rows(_2d(xc), fm.NVFP4_BLOCK)
-        g2 = _pad_rows(g, fm.NVFP4_BLOCK)
+        x2 = pad_rows(_2d(xc), fm.NVFP4_BLOCK)
+        g2 = pad_rows(g, fm.NVFP4_BLOCK)
         if rht:
             signs = torch.randint(0, 2, (fm.NVFP4_BLOCK,), device=g.device).float() * 2 - 1
             rot = fm.random_hadamard(signs)

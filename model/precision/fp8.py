@@ -68,7 +68,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import base
-from .base import ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, sm, swap_linears
+from .base import (ConvertedLinear, PrecisionBackend, low_precision_enabled, matmul_dtype, pad_rows, sm,
+                   swap_linears)
 from .formats import E4M3, E5M2, amax, cast_fp8, fp8_max, fp8_scale, quantize_fp8
 from .fp8_cast import activate, cast_transpose, cast_transpose_pow2, triton_available
 from .options import Fp8Options
@@ -156,7 +157,7 @@ def _kernel_cast(t: torch.Tensor, dtype: torch.dtype, state: torch.Tensor | None
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, out_dtype, fast_fwd, fast_bwd, x_state, g_state, how, pow2, cast_kernel):
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = pad_rows(x.reshape(-1, x.shape[-1]))
         if cast_kernel:
             # the producer hands over bf16 (half the bytes of the fp32 residual stream); the op writes
             # x^T too, which only the weight-gradient GEMM reads
@@ -170,14 +171,14 @@ class _Fp8Matmul(torch.autograd.Function):
         # one when the cast op made it, else the row-major one, transposed in backward
         ctx.save_for_backward(xqt if cast_kernel else xq, xs, wq, ws)
         ctx.fast_bwd, ctx.g_state, ctx.how, ctx.pow2, ctx.cast_kernel = fast_bwd, g_state, how, pow2, cast_kernel
-        ctx.dtypes = (x.dtype, w.dtype)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        ctx.dtypes, ctx.rows = (x.dtype, w.dtype), x.numel() // x.shape[-1]
+        return y[:ctx.rows].reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
         xsaved, xs, wq, ws = ctx.saved_tensors
         xdt, wdt = ctx.dtypes
-        g2 = gy.reshape(-1, gy.shape[-1])
+        g2 = pad_rows(gy.reshape(-1, gy.shape[-1]))
         if ctx.cast_kernel:
             gq, gqt, gs = _kernel_cast(g2, E5M2, ctx.g_state, ctx.how, ctx.pow2)
             x_col = xsaved.t()  # x^T contiguous = x column-major
@@ -188,7 +189,7 @@ class _Fp8Matmul(torch.autograd.Function):
                               use_fast_accum=ctx.fast_bwd)
         gw = scaled_mm(gqt, x_col, scale_a=gs, scale_b=xs, out_dtype=torch.float32,
                               use_fast_accum=ctx.fast_bwd)
-        return gx.reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), *[None] * 8
+        return gx[:ctx.rows].reshape(*gy.shape[:-1], wq.shape[1]).to(xdt), gw.to(wdt), *[None] * 8
 
 
 class _Fp8MLP(torch.autograd.Function):
@@ -198,7 +199,7 @@ class _Fp8MLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, out_dtype, fast_fwd, fast_bwd, x_state, h_state, a_state, g_state, how, pow2):
-        x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)
+        x2 = pad_rows(x.reshape(-1, x.shape[-1]).to(out_dtype))
         xq, xqt, xs = _kernel_cast(x2, E4M3, x_state, how, pow2)
         w1q, w1s = quantize_fp8(w1, E4M3, pow2)
         h = scaled_mm(xq, w1q.t(), scale_a=xs, scale_b=w1s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
@@ -207,15 +208,15 @@ class _Fp8MLP(torch.autograd.Function):
         y = scaled_mm(aq, w2q.t(), scale_a=as_, scale_b=w2s, out_dtype=out_dtype, use_fast_accum=fast_fwd)
         ctx.save_for_backward(xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s)
         ctx.fast_bwd, ctx.states, ctx.how, ctx.pow2 = fast_bwd, (h_state, g_state), how, pow2
-        ctx.dtypes = (x.dtype, w1.dtype, w2.dtype)
-        return y.reshape(*x.shape[:-1], w2.shape[0])
+        ctx.dtypes, ctx.rows = (x.dtype, w1.dtype, w2.dtype), x.numel() // x.shape[-1]
+        return y[:ctx.rows].reshape(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
         xqt, xs, w1q, w1s, h, aqt, as_, w2q, w2s = ctx.saved_tensors
         (h_state, g_state), how, pow2 = ctx.states, ctx.how, ctx.pow2
         xdt, w1dt, w2dt = ctx.dtypes
-        g2 = gy.reshape(-1, gy.shape[-1])
+        g2 = pad_rows(gy.reshape(-1, gy.shape[-1]))
         gq, gqt, gs = _kernel_cast(g2, E5M2, g_state, how, pow2)
         ga = scaled_mm(gq, _col_major(w2q), scale_a=gs, scale_b=w2s, out_dtype=h.dtype,
                               use_fast_accum=ctx.fast_bwd)
@@ -227,7 +228,7 @@ class _Fp8MLP(torch.autograd.Function):
                               use_fast_accum=ctx.fast_bwd)
         gw1 = scaled_mm(hqt, xqt.t(), scale_a=hs, scale_b=xs, out_dtype=torch.float32,
                                use_fast_accum=ctx.fast_bwd)
-        return (gx.reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt), *[None] * 9)
+        return (gx[:ctx.rows].reshape(*gy.shape[:-1], w1q.shape[1]).to(xdt), gw1.to(w1dt), gw2.to(w2dt), *[None] * 9)
 
 
 class Fp8Linear(ConvertedLinear):

@@ -20,6 +20,8 @@ import importlib
 import torch
 import torch.nn as nn
 
+from .base import ROW_MULTIPLE, pad_rows
+
 TE_INSTALL_HINT = "pip install '.[te]' (it builds a PyTorch extension against the installed torch; README 'GPU')"
 
 
@@ -52,6 +54,10 @@ def eager(module: nn.Module) -> nn.Module:
     def forward(x, *args, **kwargs):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        rows = x.numel() // x.shape[-1]
+        if rows % ROW_MULTIPLE:  # TE's FP8 and FP4 GEMMs refuse other token counts
+            y = inner(pad_rows(x.reshape(rows, x.shape[-1])), *args, **kwargs)
+            return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
         return inner(x, *args, **kwargs)
 
     module.forward = forward
