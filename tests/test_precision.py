@@ -529,6 +529,32 @@ def test_te_wrapper_hands_te_the_autocast_dtype():
     assert seen == [torch.bfloat16, torch.float32]
 
 
+def test_te_wrapper_hands_te_a_multiple_of_16_tokens():
+    """TE's FP8 and FP4 GEMMs refuse other token counts (the rl stage's rows have any length): the wrapper
+    adds zero rows and drops their outputs, so the result and gradients are a plain Linear's."""
+    from model.precision.te_common import eager
+    rows = []
+
+    class Recording(torch.nn.Linear):
+        def forward(self, x):
+            rows.append(x.numel() // x.shape[-1])
+            return super().forward(x)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 4)
+    lin = eager(Recording(8, 4))
+    lin.load_state_dict(ref.state_dict())
+    for shape in ((5, 13, 8), (2, 16, 8)):
+        x = torch.randn(*shape, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        y, y_ref = lin(x), ref(x_ref)
+        assert y.shape == y_ref.shape and torch.equal(y, y_ref)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)
+    assert rows == [80, 32]
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+
+
 def _delayed_linear(history_len=4):
     from model.precision.fp8 import Fp8Linear
     torch.manual_seed(0)
