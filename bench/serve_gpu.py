@@ -66,7 +66,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.stats import fmt, save_json, spread  # noqa: E402
-from model.engine import Engine, EngineConfig, Finished, SamplingParams, Token  # noqa: E402
+from model.engine import Engine, EngineConfig  # noqa: E402
+from model.requests import Finished, SamplingParams, Token  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from serve.engine_proc import freeze_heap  # noqa: E402
 

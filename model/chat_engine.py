@@ -12,7 +12,8 @@ import threading
 
 from .calculator import calculator_tool
 from .chat import STOP_TOKENS
-from .engine import Engine, EngineConfig, Finished, SamplingParams, Token
+from .engine import Engine, EngineConfig
+from .requests import Finished, SamplingParams, Token
 from .tokenizer import SparkTokenizer
 
 

@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from model.chat import render
 from model.chat_engine import chat_engine, run_all
-from model.engine import Engine, SamplingParams
+from model.engine import Engine
+from model.requests import SamplingParams
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import ModelDirError, load_model_dir
 from model.scoring import score_continuations

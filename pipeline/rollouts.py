@@ -23,7 +23,8 @@ import torch
 
 from model.chat import render
 from model.chat_engine import run_all
-from model.engine import Engine, Finished, SamplingParams, Token
+from model.engine import Engine
+from model.requests import Finished, SamplingParams, Token
 from sparkchat import paths
 
 from .benchmarks import load_benchmark

@@ -289,10 +289,10 @@ def setup_stage(stage: str, p: Params, seed: int, rank: int, world: int) -> Path
 
 
 def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
-    """The checkpoint folder, the model (converted by the backend; under FSDP compiled and sharded), the
-    batches, the step count and the optimizer."""
+    """The stage set up (`setup_stage`), then the model (converted by the backend; under FSDP compiled and
+    sharded), the batches, the step count and the optimizer."""
     t: TrainParams = getattr(p, stage)
-    ckpt_dir = setup_stage(stage, p, t.seed, rank, world)
+    setup_stage(stage, p, t.seed, rank, world)
 
     _, train_file, val_file, _ = STAGES[stage]
     tok = SparkTokenizer.load(paths.TOKENIZER)

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from model.engine import Token
+from model.requests import Token
 
 from . import serving
 from .errors import APIError

@@ -15,7 +15,7 @@ import logging
 import threading
 from multiprocessing.connection import Connection
 
-from model.engine import EngineError, EngineStopped, PromptTooLong, QueueFull
+from model.requests import EngineError, EngineStopped, PromptTooLong, QueueFull
 
 from .engine_proc import FINISH
 

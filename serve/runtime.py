@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from model.chat import ReplyReader, ToolUse, cut_parts, render
 from model.chat_engine import sampling_params
-from model.engine import Engine, PromptLogprobs, SamplingParams, Token
+from model.engine import Engine
+from model.requests import PromptLogprobs, SamplingParams, Token
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL

@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from model.chat import ChatFormatError, content_text, display_words
-from model.engine import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
+from model.requests import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
 from .errors import APIError, error_body

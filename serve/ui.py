@@ -24,7 +24,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
-from model.engine import EngineStopped, QueueFull
+from model.requests import EngineStopped, QueueFull
 from model.model_dir import describe_model_dir
 from sparkchat import paths
 

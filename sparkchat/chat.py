@@ -109,7 +109,7 @@ def reply(engine, tok, ids: list[int], params, out) -> list[dict]:
     """Generate a reply to the prompt `ids`, streaming it to `out` (words as they come, each calculator
     use on a dimmed line of its own); returns the reply's content parts for the history."""
     from model.chat import ReplyReader, ToolUse
-    from model.engine import Token
+    from model.requests import Token
     events: queue.Queue = queue.Queue()
     engine.submit(ids, params, events.put)  # raises on a full queue or a prompt the engine refuses
     reader = ReplyReader(tok)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from model.chat import read_reply, render
-from model.engine import Engine, EngineConfig, SamplingParams
+from model.engine import Engine, EngineConfig
+from model.requests import SamplingParams
 from serve.api import Settings, create_app
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Token
+from model.engine import Engine, EngineConfig
+
+from model.requests import Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Token
 from model.gpt import GPTConfig
 from model.sampling import sample
 

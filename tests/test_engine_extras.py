@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, Finished, PromptLogprobs, SamplingParams, Token
+from model.engine import Engine, EngineConfig
+
+from model.requests import Finished, PromptLogprobs, SamplingParams, Token
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, SamplingParams
+from model.engine import Engine, EngineConfig
+
+from model.requests import SamplingParams
 from model.gpt import GPT, GPTConfig, KVCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -199,7 +201,7 @@ def test_penalties_change_ids_under_graphs_and_repeat_when_seeded():
 def test_prompt_logprobs_on_gpu_equal_a_direct_forward():
     import threading
 
-    from model.engine import PromptLogprobs
+    from model.requests import PromptLogprobs
     model = gpu_model()
     engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=256)).start()
     p = prompts()[8]  # 600 ids: three prefill chunks

@@ -20,7 +20,7 @@ import torch
 
 from model.chat import ChatFormatError, render
 from model.chat_engine import chat_engine
-from model.engine import SamplingParams, Token
+from model.requests import SamplingParams, Token
 from model.model_dir import ModelDirError, load_model_dir, save_model_dir, verify_model_dir
 from sparkchat import paths
 
