@@ -1,6 +1,6 @@
 #!/bin/bash
 # `dvc exp run -S profile=h200-small` from a fresh clone of this working tree, every stage run by DVC
-# itself (prepare -> tokenizer -> tokenize -> pretrain -> midtrain -> sft -> evaluate -> export), with
+# itself (prepare -> tokenizer -> tokenize -> pretrain -> midtrain -> sft -> rl -> evaluate -> export), with
 # each stage's wall time. Any CUDA GPU with the project's dependencies (`pip install -e '.[dev]'`).
 #   bash bench/gpu/pipeline.sh [DVC EXP RUN ARGS...]     (e.g. stage names: `prepare tokenizer` only)
 # A host without network: build the wheels of bench/gpu/wheels.txt into .whl/ (Python 3.12, x86_64: DVC
