@@ -167,6 +167,7 @@ class Rounds(NamedTuple):
     at_start: object  # what at_start() returned
     at_end: object = None  # what at_end() returned
     text_tokens: int | None = None  # of `tokens`, those that arrived as text (with a tokenizer)
+    text_events: int | None = None  # the events that carried them (content_events; with a tokenizer)
 
 
 def text_tokens_of(tok, responses: list[list[str]]) -> int:
@@ -184,6 +185,13 @@ def text_tokens_of(tok, responses: list[list[str]]) -> int:
                     if c.get("choices"))
         total += min(texts, usage["completion_tokens"])
     return total
+
+
+def content_events(responses: list[list[str]]) -> int:
+    """The SSE events of these streamed chat responses (each its data lines) that carry text: what the
+    server pays once an event, however many tokens each carries."""
+    return sum(1 for lines in responses for line in lines
+               if (c := json.loads(line[6:])).get("choices") and c["choices"][0]["delta"].get("content"))
 
 
 def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, go, counted, tokenizer) -> None:
@@ -208,7 +216,7 @@ def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, g
         if tokenizer:
             from model.tokenizer import SparkTokenizer
             counted.wait()
-            out.put(("text", text_tokens_of(SparkTokenizer.load(tokenizer), keep)))
+            out.put(("text", text_tokens_of(SparkTokenizer.load(tokenizer), keep), content_events(keep)))
     asyncio.run(run())
 
 
@@ -248,7 +256,7 @@ def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float,
         wall = time.perf_counter() - t
         ended = at_end() if at_end else None
         counted.set()
-        texts = [n for _, n in take(len(workers), 600)] if tokenizer else None
+        texts = take(len(workers), 600) if tokenizer else None
     finally:
         for w in workers:  # done by now, unless the run failed: then do not wait for them
             w.join(timeout=5 if parts else 0)
@@ -256,7 +264,7 @@ def rounds_in_processes(url: str, streams: int, max_tokens: int, seconds: float,
                 w.kill()
     tokens, cpu, secs = zip(*parts)
     return Rounds(len(workers), sum(tokens), wall, sum(cpu), max(c / s for c, s in zip(cpu, secs)), snapshot,
-                  ended, sum(texts) if texts is not None else None)
+                  ended, *([sum(t[1] for t in texts), sum(t[2] for t in texts)] if texts is not None else []))
 
 
 async def run_level(base: str, streams: int, seconds: float, max_tokens: int) -> tuple[int, int, float]:

@@ -29,6 +29,8 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
   tokens, counted after the timed window. A token that sends no text (a control id the model sampled,
   words after a calculator-call opener, which the chat reader hides) is missing from it. The count is
   an estimate, about 1% high (see text_tokens).
+- `tokens_per_event`: completion tokens over the SSE events that carried text (bench.serve.content_events):
+  the server pays for each event (its frame, its send, its write) whatever it carries.
 - the clients' CPU a token and the busiest client process's share of a CPU (is the client the limit?).
 
 The engine alone also gives TTFT/TPOT, and, on a GPU, the ratio to the weight-read bound (a decode step
@@ -202,6 +204,7 @@ def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: 
            # the server's first process's main thread: the event loop of a one-process server
            "loop_cpu_us_per_token": per_token(after["loop"] - before["loop"]),
            "text_token_share": round(r.text_tokens / tokens, 5),
+           "tokens_per_event": round(tokens / max(r.text_events, 1), 2),
            "client_processes": r.processes, "client_cpu_us_per_token": per_token(r.client_cpu_s),
            "busiest_client_cpu_share": round(r.busiest_cpu_share, 3)}
     m0, m1 = before["metrics"], after["metrics"]
@@ -338,7 +341,8 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
 
 ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
                "engine_cpu_share")
-HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tree_cpu_us_per_token",
+HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
+             "tree_cpu_us_per_token",
              "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
              "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
@@ -364,7 +368,8 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
                   f"engine, server CPU beside the engine's steps " + (
                       f"{fmt(h['server_cpu_us_per_token'])} us a token" if "server_cpu_us_per_token" in h
                       else "unknown (no step counter)") +
-                  f", text share {fmt(h['text_token_share'], '.3f')}, clients {fmt(h['client_cpu_us_per_token'])} us "
+                  f", text share {fmt(h['text_token_share'], '.3f')}, {fmt(h['tokens_per_event'], '.2f')} tokens an "
+                  f"event, clients {fmt(h['client_cpu_us_per_token'])} us "
                   f"a token (median (min-max) of {len(rounds['http'][n])} rounds)", flush=True)
     return out
 

@@ -31,4 +31,5 @@ def test_client_processes_count_the_tokens_the_server_generated(serve_start, ser
     assert r.processes == 3 and r.at_start == 1
     assert 0 < r.tokens == generated <= 3 * 6
     assert 0 <= r.text_tokens <= r.tokens  # those that arrived as text (counted after the timed rounds)
+    assert (r.text_events > 0) == (r.text_tokens > 0) and r.text_events <= r.text_tokens  # an event carries >= 1
     assert r.seconds > 0 and r.client_cpu_s > 0 and 0 < r.busiest_cpu_share

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bench.serve import text_tokens_of
+from bench.serve import content_events, text_tokens_of
 from bench.serve_gpu import ENGINE_PROCESS_CPU, STEP_CPU, server_cpu, tree_cpu
 from bench.text_model import text_tokenizer, text_tokens
 from model.tokenizer import StreamDecoder
@@ -72,6 +72,12 @@ def test_text_tokens_of_streamed_responses_is_capped_by_their_usage(tok):
     assert text_tokens_of(tok, [_response([word], 1), _response([], 2)]) == 1
     with pytest.raises(RuntimeError, match="usage chunk"):
         text_tokens_of(tok, [_response([word], None)])
+
+
+def test_content_events_count_the_events_that_carry_text(tok):
+    word = tok.decode([tok.encode(" the")[0]])
+    # the role chunk, an empty content and the usage chunk carry no text
+    assert content_events([_response([word, "", word], 5), _response([word], 1), _response([], 0)]) == 3
 
 
 def test_server_cpu_is_the_process_tree_less_the_engine_step_counter():
