@@ -170,6 +170,11 @@ class Rounds(NamedTuple):
     text_events: int | None = None  # the events that carried them (content_events; with a tokenizer)
 
 
+def _contents(chunks: list[dict]) -> list[str]:
+    """The text of each parsed chunk that has a choice ("" where its delta carries none)."""
+    return [c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")]
+
+
 def text_tokens_of(tok, responses: list[list[str]]) -> int:
     """Of the completion tokens of these streamed chat responses (each its data lines, the usage chunk
     last), those that arrived as text: per response, the tokens its content events stand for
@@ -181,8 +186,7 @@ def text_tokens_of(tok, responses: list[list[str]]) -> int:
         usage = chunks[-1].get("usage") if chunks else None
         if not usage:
             raise RuntimeError("a streamed response without its usage chunk: cannot count its tokens")
-        texts = sum(text_tokens(tok, c["choices"][0]["delta"].get("content") or "") for c in chunks
-                    if c.get("choices"))
+        texts = sum(text_tokens(tok, t) for t in _contents(chunks))
         total += min(texts, usage["completion_tokens"])
     return total
 
@@ -190,8 +194,7 @@ def text_tokens_of(tok, responses: list[list[str]]) -> int:
 def content_events(responses: list[list[str]]) -> int:
     """The SSE events of these streamed chat responses (each its data lines) that carry text: what the
     server pays once an event, however many tokens each carries."""
-    return sum(1 for lines in responses for line in lines
-               if (c := json.loads(line[6:])).get("choices") and c["choices"][0]["delta"].get("content"))
+    return sum(1 for lines in responses for t in _contents([json.loads(line[6:]) for line in lines]) if t)
 
 
 def _client_rounds(ids: range, url: str, max_tokens: int, seconds: float, out, go, counted, tokenizer) -> None:
