@@ -204,6 +204,30 @@ class ReplyReader:
             self._ids.append(i)
         return out
 
+    def read(self, ids: list[int]) -> list:
+        """push() of each id in turn, the words of plain ids in a row as one piece (the same words: a
+        front end reads a stream's new ids a few at a time, and this costs less a token)."""
+        out, run = [], []
+        for i in ids:
+            if i in self._special:
+                if run:
+                    self._plain(out, run)
+                    run = []
+                out += self.push(i)
+            else:
+                run.append(i)
+        if run:
+            self._plain(out, run)
+        return out
+
+    def _plain(self, out: list, ids: list[int]) -> None:
+        """push() of ids that are not control ids (the answer-line filter reads joined text as it reads
+        the pieces: what it holds back depends only on the text after the last newline)."""
+        if self._kind == "text":
+            self._settle(out)
+            self._show(out, self._filter.push(self._decoder.read(ids)))
+        self._ids += ids
+
     def finish(self) -> list:
         self.done = True
         out = []

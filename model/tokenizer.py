@@ -142,6 +142,10 @@ class StreamDecoder:
         self.pending = []
         return text
 
+    def read(self, ids: list[int]) -> str:
+        """push() of each id in turn, joined (a front end reads a stream's new ids a few at a time)."""
+        return "".join([self.push(i) for i in ids])
+
     def flush(self) -> str:
         """Whatever is held back (at the end of a reply)."""
         text = self.tok.decode(self.pending) if self.pending else ""

@@ -23,6 +23,7 @@ from model.requests import Token
 from . import serving
 from .errors import APIError
 from .runtime import Runtime, TextStream
+from .sse import Last
 from .schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
 
 
@@ -159,25 +160,25 @@ async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]
                                 finish_reason=serving.finish_reason(s) if finish else None)
 
     async def frames():
+        held = ""  # events not sent yet: they go out with the next (each event is a write)
         # merged() frees every row when it ends, normally or because the client went away
         async with contextlib.aclosing(serving.merged(streams)) as pieces:
             async for c, piece in pieces:
                 if streams[c].finish_reason == "error":
-                    yield serving.FAILED_EVENT
+                    held += serving.FAILED_EVENT
                     break
                 if not echoed[c]:  # the prompt's logprobs are in: they precede every token
                     echoed[c] = True
                     p = prompts[c // req.n]
                     logprobs = builders[c].prompt(p, streams[c]) if req.logprobs is not None else None
-                    yield chunk([CompletionChoice(index=c, text=p.echo, logprobs=logprobs)])
-                if piece is None:
-                    yield chunk([choice(c, "", finish=True)])
-                elif req.logprobs is None:
-                    yield text(c, piece)
-                else:
-                    yield chunk([choice(c, piece)])
+                    held += chunk([CompletionChoice(index=c, text=p.echo, logprobs=logprobs)])
+                if piece is None:  # a choice's last chunk
+                    held += chunk([choice(c, "", finish=True)])
+                    continue
+                yield held + (text(c, piece) if req.logprobs is None else chunk([choice(c, piece)]))
+                held = ""
         if include_usage and not any(s.finish_reason == "error" for s in streams):
-            yield chunk([], _usage(prompts, streams))
-        yield "data: [DONE]\n\n"
+            held += chunk([], _usage(prompts, streams))
+        yield Last(held + "data: [DONE]\n\n")
 
     return frames()

@@ -64,13 +64,13 @@ class EngineLink:
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "step":
-            streams = self.streams
+            streams, now = self.streams, self.loop.time()
             for ev in msg[1]:
                 s = streams.get(ev[0])
                 if s is not None:
                     if ev[1] == FINISH:
                         del streams[ev[0]]
-                    s.push(ev)
+                    s.push(ev, now)
         else:  # ("ack", rid, refusal) or ("stats", token, stats)
             fut = self.waiting.pop(msg[1], None)
             if fut is not None and not fut.done():

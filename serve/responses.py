@@ -35,6 +35,7 @@ from model.chat import ChatFormatError
 from . import serving
 from .errors import APIError
 from .runtime import Runtime, TextStream
+from .sse import Last
 from .schemas import NO_TOOLS, NoTools, _Strict, _unsupported
 
 # parameter -> the value at which it does nothing (the only value accepted; schemas.py's rule)
@@ -253,22 +254,23 @@ async def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> 
 
     async def events():
         try:
-            yield event("response.created", response=snapshot())
-            yield event("response.in_progress", response=snapshot())
-            yield event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
-            yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
+            yield (event("response.created", response=snapshot())  # one write, as the closing events
+                   + event("response.in_progress", response=snapshot())
+                   + event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
+                   + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
             pieces = []
             async for piece in run.stream:
                 if piece:  # "" marks a calculator use: its words come as text
                     pieces.append(piece)
                     yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
             text = "".join(pieces)
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
-            yield event("response.output_item.done", output_index=0, item=run.message(text).model_dump(mode="json"))
             final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(run.status,
                                                                                                   "response.failed")
-            yield event(final, response=snapshot(text))
+            yield Last(event("response.output_text.done", **where, text=text, logprobs=[])
+                       + event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
+                       + event("response.output_item.done", output_index=0,
+                               item=run.message(text).model_dump(mode="json"))
+                       + event(final, response=snapshot(text)))
         finally:  # normal end, or the client went away: free the row now
             run.stream.cancel()
 

@@ -36,9 +36,9 @@ from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, loa
 from .metrics import Metrics
 
 log = logging.getLogger("sparkchat.serve")
-# uvloop's loop.time() is libuv's clock, cached at each loop iteration in whole milliseconds: a timer set
-# for time t fires while time() may still read up to a millisecond before t. A stream woken by its timer
-# then looked not yet due, waited again, and took three wake-ups an event (cProfile, 128 streams)
+# uvloop's loop.time() is libuv's clock, cached at each loop iteration in whole milliseconds: a stream
+# counts as due up to this much before its time, so that a clock read a millisecond early does not hold
+# its tokens for another engine step
 CLOCK_SLACK = 0.001
 
 
@@ -54,6 +54,9 @@ class PlainReader:
     def push(self, i: int) -> list:
         return self._show(self.decoder.push(i))
 
+    def read(self, ids: list[int]) -> list:
+        return self._show(self.decoder.read(ids))
+
     def finish(self) -> list:
         self.done = True
         return self._show(self.decoder.flush())
@@ -68,38 +71,23 @@ class PlainReader:
 
 
 class Wake:
-    """Wakes the one task that reads a request's streams (`merged`) when any of them gets events: a bare
-    future, set at most once a wait (an asyncio.Event plus wait_for cost more, once a token a stream)."""
+    """Wakes the one task that reads a request's streams (`merged`) when any of them has events due: a
+    bare future, set at most once a wait (an asyncio.Event plus wait_for cost more, once a token a stream)."""
 
     def __init__(self):
         self.waiter: asyncio.Future | None = None
-        self.timer: asyncio.Handle | None = None
-        self.timer_at = 0.0  # (uvloop's timer handles do not say when they fire)
 
     def set(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    def set_at(self, when: float) -> None:
-        """Wake the reader at loop time `when` (events that may not go out before), if it waits longer."""
-        if self.waiter is not None and (self.timer is None or self.timer_at > when):
-            if self.timer is not None:
-                self.timer.cancel()
-            self.timer, self.timer_at = asyncio.get_running_loop().call_at(when, self.set), when
-
-    async def wait(self, until: float | None = None) -> None:
-        """Until set, or until loop time `until`."""
+    async def wait(self) -> None:
         self.waiter = asyncio.get_running_loop().create_future()
-        if until is not None:
-            self.set_at(until)
         try:
             await self.waiter
         finally:
             self.waiter = None
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
 
 
 class TextStream:
@@ -111,8 +99,10 @@ class TextStream:
     When the params ask for logprobs, `prompt_logprobs` and `tokens` (every generated id with its
     logprobs, calculator and answer line included) fill in as pieces come; `take_tokens()` gives those
     since its last call. `chat=False` (/v1/completions) reads the ids as plain text, special ids left
-    out, as vLLM does by default. Streams of one request share `wake`, set when any of them gets events.
-    Pieces are spaced by `Runtime.spacing()` (the events in between join the next)."""
+    out, as vLLM does by default. Streams of one request share `wake`, set when any of them has events
+    due. Pieces are spaced by `Runtime.spacing()`: the events in between join the next piece, which goes
+    out with the first engine step after its time (a running stream gets a token every step, so no
+    timer is needed: one would cost a wake-up more an event)."""
 
     def __init__(self, runtime: "Runtime", prompt_len: int, stop: list[str], chat: bool = True,
                  wake: Wake | None = None):
@@ -133,7 +123,7 @@ class TextStream:
         self.tokens: list[Token] = []  # kept only when logprobs were asked
         self._taken = 0
         self.rid: int | None = None
-        self.next_at = 0.0  # loop time before which no piece goes out (see spacing())
+        self.next_at = 0.0  # loop time before which no piece goes out (see spacing()); 0: none
         self.loop: asyncio.AbstractEventLoop | None = None
         self.t0 = time.perf_counter()
 
@@ -143,11 +133,12 @@ class TextStream:
         self.runtime.metrics.prompt_tokens.inc(len(prompt))
         return self
 
-    def push(self, ev: tuple) -> None:  # the link's events, on the loop
+    def push(self, ev: tuple, now: float = 0.0) -> None:
+        """An event from the link, on the loop (`now`: the loop time its engine step arrived; 0: read the
+        clock if needed). Wakes the reader if the stream is due, else the event waits for a later one."""
         self.pending.append(ev)
-        if self.next_at and not self.due(self.loop.time()):  # (no spacing: always due, no clock read)
-            self.wake.set_at(self.next_at)  # the reader wakes once, when it is due (not once a token)
-        else:
+        if self.wake.waiter is not None and (
+                not self.next_at or ev[1] == FINISH or (now or self.loop.time()) + CLOCK_SLACK >= self.next_at):
             self.wake.set()
 
     def take_tokens(self) -> list[Token]:
@@ -211,45 +202,58 @@ class TextStream:
         """Read every pending event: the words they make, as one piece ("" when only a tool use
         completed), or None when they show nothing yet."""
         events, self.pending = self.pending, []
-        out, used, reader = [], False, self.reader
+        out: list[str] = []
+        ids: list[int] = []  # tokens not read yet: read together (one at a time when a stop string may cut)
+        one_by_one, used, tokens = bool(self.stop), False, self.completion_tokens
         for ev in events:
-            if self.finish_reason is not None:
+            if self.finish_reason is not None:  # a stop string ended it
                 break
             kind = ev[1]
             if kind >= 0:  # a token
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                    self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
                 self.completion_tokens += 1
                 if len(ev) > 2:
                     self.tokens.append(Token(kind, logprob=ev[2], top=ev[3]))
-                new = reader.push(kind)
-                final = False
+                ids.append(kind)
+                if one_by_one:
+                    used |= self._read(ids, out)
+                    ids = []
             elif kind == PROMPT:
                 self.prompt_logprobs = PromptLogprobs(ev[2], ev[3])
-                continue
             else:  # FINISH
+                if ids:
+                    used |= self._read(ids, out)
+                    ids = []
                 if ev[2] == "error":
                     log.error("generation failed: %s", ev[4])
-                new, final = reader.finish(), True
-            words = ""
-            for e in new:  # (a loop, not two generators: this runs once a token)
-                if isinstance(e, str):
-                    words += e
-                else:  # a tool use completed: it is a piece even with no words
-                    used = True
-            if words or final:
-                if self.stop:
-                    out.append(self._release(words, final))
-                else:  # nothing to cut or hold back
-                    out.append(words)
-                    self.shown += len(words)
-            if kind == FINISH:
+                used |= self._read(None, out)
                 self._end("stop" if ev[2] in ("stop", "cancelled") else ev[2])
+        if ids:
+            used |= self._read(ids, out)
+        if self.first_token_at is None and self.completion_tokens > tokens:
+            self.first_token_at = time.perf_counter()
+            self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
         spacing = self.runtime.spacing()
         self.next_at = self.loop.time() + spacing if spacing else 0.0
         piece = "".join(out)
         return piece if piece or used else None
+
+    def _read(self, ids: list[int] | None, out: list[str]) -> bool:
+        """Read token ids (None: the reply's end) into `out` as words, cut at a stop string; True when a
+        tool use completed (it is a piece even with no words)."""
+        final = ids is None
+        words, used = "", False
+        for e in self.reader.finish() if final else self.reader.read(ids):
+            if isinstance(e, str):
+                words += e
+            else:
+                used = True
+        if words or final:
+            if self.stop:
+                out.append(self._release(words, final))
+            else:  # nothing to cut or hold back
+                out.append(words)
+                self.shown += len(words)
+        return used
 
     def __aiter__(self):
         return self._pieces()
@@ -269,12 +273,10 @@ async def merged(streams: list[TextStream]):
     loop, wake, left = asyncio.get_running_loop(), streams[0].wake, set(range(len(streams)))
     try:
         while left:
-            now, soonest, moved = loop.time(), None, False
+            now, moved = loop.time(), False
             for i in sorted(left):
                 s = streams[i]
                 if not s.due(now):
-                    if s.pending:
-                        soonest = s.next_at if soonest is None else min(soonest, s.next_at)
                     continue
                 moved = True
                 piece = s.take()
@@ -284,7 +286,7 @@ async def merged(streams: list[TextStream]):
                     left.discard(i)
                     yield i, None
             if not moved:  # no await since the scan: every event pushed meanwhile was seen
-                await wake.wait(soonest)
+                await wake.wait()
     finally:
         for s in streams:
             s.close()

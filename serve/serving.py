@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 import uuid
+from json.encoder import encode_basestring  # json.dumps of a str with ensure_ascii=False, without its wrapper
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -23,6 +24,7 @@ from model.tokenizer import SparkTokenizer
 
 from .errors import APIError, error_body
 from .runtime import Runtime, TextStream, Wake, merged
+from .sse import Last
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
@@ -233,7 +235,7 @@ class TextChunks:
         if halves is None:
             whole = sse(self.template(index, self.MARK), self.exclude)
             halves = self.halves[index] = whole.split(json.dumps(self.MARK), 1)
-        return halves[0] + json.dumps(text, ensure_ascii=False) + halves[1]
+        return halves[0] + encode_basestring(text) + halves[1]
 
 
 async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int], raw: Request) -> ChatCompletion:
@@ -265,27 +267,32 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
         return token_logprobs(runtime.tokenizer, tokens) if tokens else None
 
     async def frames():
+        held = ""  # a choice's last chunk: it goes out with the next event (each event is a write)
         try:
-            for i in range(len(streams)):
-                yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+            yield "".join(chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                          for i in range(len(streams)))
             async with contextlib.aclosing(merged(streams)) as pieces:
                 async for i, piece in pieces:
                     s = streams[i]
                     if s.finish_reason == "error":
-                        yield FAILED_EVENT
+                        held += FAILED_EVENT
                         break
                     if piece is None:  # tokens whose text was held back (a possible stop string) come last
-                        yield chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
-                                                 finish_reason=finish_reason(s), logprobs=logprobs(s))])
+                        held += chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
+                                                   finish_reason=finish_reason(s), logprobs=logprobs(s))])
                         continue
                     lp = logprobs(s)
                     if lp:
-                        yield chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
+                        event = chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
                     elif piece:  # "" marks a tool use: its parts come with the last chunk
-                        yield text(i, piece)
+                        event = text(i, piece)
+                    else:
+                        continue
+                    yield held + event
+                    held = ""
             if include_usage and not any(s.finish_reason == "error" for s in streams):
-                yield chunk([], _usage(prompt, streams))
-            yield "data: [DONE]\n\n"
+                held += chunk([], _usage(prompt, streams))
+            yield Last(held + "data: [DONE]\n\n")
         finally:  # normal end, or the client went away: free every row now
             for s in streams:
                 s.cancel()

@@ -103,3 +103,39 @@ def test_cut_parts_keeps_the_words_shown():
     assert cut_parts(parts, 10) == parts[:3] + [{"type": "text", "text": "12"}]
     assert display_words(cut_parts(parts, 10)) == "We need 12"
     assert cut_parts(parts, 1000) == parts
+
+
+def test_reading_ids_in_batches_shows_what_one_at_a_time_shows(serve_tokenizer):
+    """A front end reads a stream's new ids a few at a time (`read`): the same words, tool uses, parts and
+    held-back answer line as `push` id by id, for replies with tool calls, an answer line, control ids and
+    random ids (tokens that end inside a UTF-8 character)."""
+    import random
+    tok = serve_tokenizer
+    rng = random.Random(0)
+    replies = [reply_ids(tok, c)[1] for c in (ARITHMETIC, WORD_PROBLEM, LETTERS)]
+    replies += [tok.encode("naïve café — 你好 ✓\n#### 7"), tok.encode("x\n####") + [tok.special["<|user_start|>"]]]
+    replies += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]
+    for ids in replies:
+        one, shown_one = ReplyReader(tok), []
+        for i in ids:
+            shown_one += one.push(i)
+        shown_one += one.finish()
+        batched, shown_batched, k = ReplyReader(tok), [], 0
+        while k < len(ids):
+            n = rng.randint(1, 6)
+            shown_batched += batched.read(ids[k:k + n])
+            k += n
+        shown_batched += batched.finish()
+        assert joined(shown_batched) == joined(shown_one) and batched.parts == one.parts
+        assert batched.words == one.words
+
+
+def joined(shown: list) -> list:
+    """Shown pieces with the words between two tool uses as one string."""
+    out = []
+    for s in shown:
+        if isinstance(s, str) and out and isinstance(out[-1], str):
+            out[-1] += s
+        elif s != "":
+            out.append(s)
+    return out

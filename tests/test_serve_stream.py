@@ -15,6 +15,7 @@ import pytest
 from conftest import SlowModel, broken_app, post_large_prompts
 
 from serve.api import Settings, create_app
+from serve.engine_proc import FINISH
 from serve.runtime import Runtime, TextStream, Wake
 from serve.schemas import ChatCompletionChunk, ChunkChoice, CompletionChoice, Delta
 from serve.serving import TextChunks, sse
@@ -131,42 +132,25 @@ def test_stream_interval_spaces_the_events(serve_start, serve_model_dir):
     assert "".join(texts[0]) == "".join(texts[1])
 
 
-def test_a_wake_time_already_past_under_uvloop():
-    """The server's loop is uvloop's, whose call_at gives a plain handle (no `when()`) for a time already
-    past; a later wake time must still work (it raised inside the link's callback, and the rest of
-    that engine step's tokens were lost: streams stalled at 128)."""
+def test_a_spaced_stream_wakes_its_reader_only_when_due():
+    """A stream spaced by the events budget (`next_at`) keeps the tokens of earlier engine steps without
+    waking its reader; the first step at its time (a millisecond of uvloop's clock early included), or
+    its end, wakes it. No timer is set: a running stream gets a token every step."""
     uvloop = pytest.importorskip("uvloop")
 
     async def main():
-        w, loop = Wake(), asyncio.get_running_loop()
-        waiting = asyncio.ensure_future(w.wait(loop.time() - 1))
-        await asyncio.sleep(0)  # the reader waits, its timer set for a time already past
-        w.set_at(loop.time() + 5)
-        await asyncio.wait_for(waiting, 1)
-
-    loop = uvloop.new_event_loop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-
-
-def test_a_stream_woken_by_its_timer_is_due_under_uvloop():
-    """A stream spaced by the events budget waits for a timer at its `next_at`. uvloop's clock is cached in
-    whole milliseconds, so the timer fires while loop.time() still reads up to a millisecond earlier:
-    the stream must count as due then (it did not, waited again, and each event took three wake-ups)."""
-    uvloop = pytest.importorskip("uvloop")
-
-    async def main():
-        loop, early = asyncio.get_running_loop(), []
-        for k in range(20):
-            at = loop.time() + 0.0023 + k * 0.00037  # times between the clock's milliseconds
-            w = Wake()
-            await w.wait(at)
-            stream = types.SimpleNamespace(pending=[(0, 7)], next_at=at)  # one token waiting, spaced to `at`
-            if not TextStream.due(stream, loop.time()):
-                early.append(round(at - loop.time(), 6))
-        assert not early, f"woken but not due, by {early} s"
+        loop = asyncio.get_running_loop()
+        stream = types.SimpleNamespace(pending=[], next_at=loop.time() + 5, wake=Wake(), loop=loop)
+        for ev, at, woken in [((0, 7), stream.next_at - 1, False),  # a step before its time
+                              ((0, 8), stream.next_at - 0.0005, True),  # the clock read just early
+                              ((0, FINISH, "stop", 2, None), stream.next_at - 1, True)]:  # its end
+            waiting = asyncio.ensure_future(stream.wake.wait())
+            await asyncio.sleep(0)
+            TextStream.push(stream, ev, at)
+            await asyncio.sleep(0)
+            assert waiting.done() == woken, ev
+            waiting.cancel()
+        assert [ev[1] for ev in stream.pending] == [7, 8, FINISH]
 
     loop = uvloop.new_event_loop()
     try:
@@ -239,3 +223,31 @@ def test_a_failed_generation_is_an_error_not_a_quiet_stop(serve_start, serve_mod
         list(client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=4, stream=True))
     with pytest.raises(openai.APIError, match="failed while generating"):
         list(client.completions.create(model="sparkchat", prompt="Hi", max_tokens=4, stream=True))
+
+
+def test_the_last_event_goes_out_with_the_end_of_the_body():
+    """Each event is a write: a response's closing events (`Last`) go out with the body's end, not as
+    one more write; an iterator without a `Last` still ends the body. The events come from a task of
+    the response's own."""
+    from serve.sse import EventStream, Last
+
+    async def main(events):
+        sent = []
+
+        async def send(message):
+            sent.append((message["type"], message.get("body"), message.get("more_body")))
+
+        async def receive():
+            await asyncio.sleep(60)
+
+        async def gen():
+            for e in events:
+                yield e
+
+        await EventStream(gen())({"type": "http"}, receive, send)
+        return sent[1:]
+
+    assert asyncio.run(main(["data: 1\n\n", Last("data: 2\n\ndata: [DONE]\n\n")])) == [
+        ("http.response.body", b"data: 1\n\n", True), ("http.response.body", b"data: 2\n\ndata: [DONE]\n\n", False)]
+    assert asyncio.run(main(["data: 1\n\n"])) == [("http.response.body", b"data: 1\n\n", True),
+                                                  ("http.response.body", b"", False)]
