@@ -102,6 +102,13 @@ class SparkTokenizer:
             text = self._one[i] = self.decode([i])
         return text
 
+    def decode_each(self, ids: list[int]) -> list[str]:
+        """[decode_one(i) for i in ids], in one pass over the cache when every id is in it."""
+        try:
+            return [self._one[i] for i in ids]
+        except KeyError:
+            return [self.decode_one(i) for i in ids]
+
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
@@ -144,6 +151,10 @@ class StreamDecoder:
 
     def read(self, ids: list[int]) -> str:
         """push() of each id in turn, joined (a front end reads a stream's new ids a few at a time)."""
+        if not self.pending and self.special.isdisjoint(ids):
+            text = "".join(self.tok.decode_each(ids))
+            if "\ufffd" not in text:  # every id decoded whole on its own: what push() would give
+                return text
         return "".join([self.push(i) for i in ids])
 
     def flush(self) -> str:

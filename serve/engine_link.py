@@ -1,8 +1,9 @@
 """A front end's side of the channel to the engine (serve.engine_proc says what travels on it).
 
-One thread reads the connection; each message it reads (an engine step's events for this front end, an
-ack, stats) reaches the event loop in one `call_soon_threadsafe`, a wake-up per step, not per token.
-There each event goes to its stream (`push`), which wakes its reader. Commands are sent from the loop.
+The event loop reads the connection when it is readable (`add_reader`: no thread of its own, so no
+thread wake-up and GIL hand-over an engine step; the engine writes each message whole, so a read does not
+wait). Each message is an engine step's events for this front end, an ack, or stats; each event goes to
+its stream (`push`), which wakes its reader when due. Commands are sent from the loop.
 
 When the connection ends (the engine process died), every open stream ends with an error and `dead`
 says why: /health then fails, and the supervisor ends the server (docs/serving.md, "Faults").
@@ -47,19 +48,21 @@ class EngineLink:
         return cls(conn, info)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "EngineLink":
-        self.loop = loop
-        threading.Thread(target=self._read, name="sparkchat-engine-link", daemon=True).start()
+        self.loop = loop  # (called from the thread that loaded the model: the loop adds the reader itself)
+        loop.call_soon_threadsafe(loop.add_reader, self.conn.fileno(), self._read)
         return self
 
-    def _read(self) -> None:  # its own thread
+    def _read(self) -> None:  # on the loop, when the connection is readable
+        """Every message that has arrived, before any reader runs: a loop that fell behind hands each
+        stream the tokens of several steps at once (one event, not one a step)."""
         try:
             while True:
-                self.loop.call_soon_threadsafe(self._on_message, self.conn.recv())
+                self._on_message(self.conn.recv())
+                if not self.conn.poll():
+                    return
         except (EOFError, OSError) as e:
-            if self.dead is None:
-                self.loop.call_soon_threadsafe(self._on_death, f"the engine process is gone ({type(e).__name__})")
-        except RuntimeError:  # the loop closed (the app shut down)
-            pass
+            self.loop.remove_reader(self.conn.fileno())
+            self._on_death(f"the engine process is gone ({type(e).__name__})")
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
@@ -145,4 +148,6 @@ class EngineLink:
 
     def close(self) -> None:
         self.dead = self.dead or "closed"
+        if self.loop is not None and not self.loop.is_closed() and not self.conn.closed:
+            self.loop.remove_reader(self.conn.fileno())
         self.conn.close()
