@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import select
 import threading
 from multiprocessing.connection import Connection
 
@@ -49,6 +50,9 @@ class EngineLink:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "EngineLink":
         self.loop = loop  # (called from the thread that loaded the model: the loop adds the reader itself)
+        # "is another message there?" after each read: Connection.poll() builds a selector a call
+        self.ready = select.poll()
+        self.ready.register(self.conn.fileno(), select.POLLIN)
         loop.call_soon_threadsafe(loop.add_reader, self.conn.fileno(), self._read)
         return self
 
@@ -58,7 +62,7 @@ class EngineLink:
         try:
             while True:
                 self._on_message(self.conn.recv())
-                if not self.conn.poll():
+                if not self.ready.poll(0):
                     return
         except (EOFError, OSError) as e:
             self.loop.remove_reader(self.conn.fileno())
