@@ -222,7 +222,7 @@ def sse(message: BaseModel, exclude: set[str] | None = None) -> str:
 class TextChunks:
     """The per-token event, `data: {...}` of a chunk whose only news is a choice's text, without a
     pydantic object per chunk: the chunk's JSON is written once (`template`, built with a marker as the
-    text) and each event is its two halves around json.dumps of the text. The same JSON as sse() writes
+    text) and each event is its two halves around the text as a JSON string. The same JSON as sse() writes
     for that chunk (tests parse both with the openai package)."""
     MARK = "\x00sparkchat-text\x00"
 
