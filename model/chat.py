@@ -198,10 +198,7 @@ class ReplyReader:
             if self._kind == "python":
                 self._settle(out)
         elif i not in self._special:
-            if self._kind == "text":
-                self._settle(out)
-                self._show(out, self._filter.push(self._decoder.push(i)))
-            self._ids.append(i)
+            self._plain(out, [i])
         return out
 
     def read(self, ids: list[int]) -> list:
@@ -221,8 +218,9 @@ class ReplyReader:
         return out
 
     def _plain(self, out: list, ids: list[int]) -> None:
-        """push() of ids that are not control ids (the answer-line filter reads joined text as it reads
-        the pieces: what it holds back depends only on the text after the last newline)."""
+        """Ids that are not control ids, in a row: their words, shown unless in a tool part (the answer-line
+        filter reads joined text as it reads the pieces: what it holds back depends only on the text after
+        the last newline)."""
         if self._kind == "text":
             self._settle(out)
             self._show(out, self._filter.push(self._decoder.read(ids)))

@@ -137,8 +137,7 @@ class TextStream:
         """An event from the link, on the loop (`now`: the loop time its engine step arrived; 0: read the
         clock if needed). Wakes the reader if the stream is due, else the event waits for a later one."""
         self.pending.append(ev)
-        if self.wake.waiter is not None and (
-                not self.next_at or ev[1] == FINISH or (now or self.loop.time()) + CLOCK_SLACK >= self.next_at):
+        if self.wake.waiter is not None and self.due(now or self.loop.time()):
             self.wake.set()
 
     def take_tokens(self) -> list[Token]:
@@ -204,7 +203,7 @@ class TextStream:
         events, self.pending = self.pending, []
         out: list[str] = []
         ids: list[int] = []  # tokens not read yet: read together (one at a time when a stop string may cut)
-        one_by_one, used, tokens = bool(self.stop), False, self.completion_tokens
+        used, tokens = False, self.completion_tokens
         for ev in events:
             if self.finish_reason is not None:  # a stop string ended it
                 break
@@ -213,10 +212,10 @@ class TextStream:
                 self.completion_tokens += 1
                 if len(ev) > 2:
                     self.tokens.append(Token(kind, logprob=ev[2], top=ev[3]))
-                ids.append(kind)
-                if one_by_one:
-                    used |= self._read(ids, out)
-                    ids = []
+                if self.stop:
+                    used |= self._read([kind], out)
+                else:
+                    ids.append(kind)
             elif kind == PROMPT:
                 self.prompt_logprobs = PromptLogprobs(ev[2], ev[3])
             else:  # FINISH

@@ -141,6 +141,7 @@ def test_a_spaced_stream_wakes_its_reader_only_when_due():
     async def main():
         loop = asyncio.get_running_loop()
         stream = types.SimpleNamespace(pending=[], next_at=loop.time() + 5, wake=Wake(), loop=loop)
+        stream.due = lambda now: TextStream.due(stream, now)
         for ev, at, woken in [((0, 7), stream.next_at - 1, False),  # a step before its time
                               ((0, 8), stream.next_at - 0.0005, True),  # the clock read just early
                               ((0, FINISH, "stop", 2, None), stream.next_at - 1, True)]:  # its end
