@@ -37,6 +37,9 @@ from .options import Entry, LayerFilter, ProbeOptions, TERecipe, TEFp8Options, c
 from .registry import get_backend
 
 
+MAX_DATA_TOKENS = 1 << 27  # the synthetic corpus's cap: 1 GiB as int64 on the probe's device
+
+
 def model_config(depth: int, seq_len: int, vocab: int, head_dim: int = 128) -> GPTConfig:
     """nanochat's one dial: width 64 x depth, heads of `head_dim`, n_kv_head = n_head (full MHA)."""
     width = 64 * depth
@@ -208,7 +211,9 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
     peak, peak_about = peak_flops(dev)
     log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
         f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}; {peak_about}")
-    n_rows = batch * min(steps, 64)
+    # fresh rows for every step (the loss is then a held-out loss, and a long run does not memorise a
+    # small pool), up to MAX_DATA_TOKENS; past that the rows repeat
+    n_rows = batch * max(1, min(steps, MAX_DATA_TOKENS // (batch * (seq_len + 1))))
     data = file_tokens(tokens, n_rows, seq_len + 1, vocab, dev) if tokens else \
         markov_tokens(n_rows, seq_len + 1, vocab, seed, dev)
     flops = GPT.flops_per_token(type("M", (), {"config": cfg})())
