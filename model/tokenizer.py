@@ -5,6 +5,8 @@ before byte-level BPE, so merges never cross word/number boundaries.
 """
 from __future__ import annotations
 
+import codecs
+import functools
 from pathlib import Path
 from typing import Iterable
 
@@ -43,13 +45,12 @@ SPLIT_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?
 class SparkTokenizer:
     def __init__(self, tok: Tokenizer):
         self._tok = tok
-        self._one: dict[int, str] = {}  # decode_one's
         missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
         if missing and missing != list(SYSTEM_TOKENS):
             raise ValueError(f"tokenizer lacks special tokens {missing}")
         self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS if t not in missing}
         self.bos_id = self.special["<|bos|>"]
-        self._special_ids = set(self.special.values())
+        self.special_ids = frozenset(self.special.values())
         # text is text: "<|assistant_end|>" typed by a user (or found in a document) encodes as its
         # characters, never as the control id, so no message can forge a turn or a tool output.
         # Control ids come only from the renderer (model/chat.py), which adds them by id.
@@ -95,20 +96,6 @@ class SparkTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
-    def decode_one(self, i: int) -> str:
-        """decode([i]), remembered: a streamed reply decodes most of its ids alone, one a token."""
-        text = self._one.get(i)
-        if text is None:
-            text = self._one[i] = self.decode([i])
-        return text
-
-    def decode_each(self, ids: list[int]) -> list[str]:
-        """[decode_one(i) for i in ids], in one pass over the cache when every id is in it."""
-        try:
-            return [self._one[i] for i in ids]
-        except KeyError:
-            return [self.decode_one(i) for i in ids]
-
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
@@ -118,47 +105,48 @@ class SparkTokenizer:
         name = self._tok.id_to_token(i)
         if name is None:
             return b""
-        if i in self._special_ids:
+        if i in self.special_ids:
             return name.encode()
         return bytes(BYTE_OF_CHAR[c] for c in name)
+
+    @functools.cached_property
+    def bytes_table(self) -> list[bytes]:
+        """token_bytes(i) of every id, by index (built once, for decoding streams a few ids at a time)."""
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
 
 
 class StreamDecoder:
     """Token ids -> text deltas, for showing a reply as it is generated: a piece never splits a UTF-8
-    character (ids are held while their bytes end mid-character) and special ids are dropped (what
-    they delimit in a reply, model.chat.ReplyReader reads).
+    character and special ids are dropped (what they delimit in a reply, model.chat.ReplyReader reads).
 
-    Decoding restarts after each clean piece, so the cost per token stays constant.
+    The ids' bytes go through Python's incremental UTF-8 decoder: the bytes of a character cut between
+    ids wait for the rest, and bytes that can never make a character show as U+FFFD at once, as decode()
+    shows them. Each read is one join and one decode, whatever the ids.
     """
 
-    MAX_PENDING = 8  # a UTF-8 character is at most 4 bytes; past this the ids are shown as they are
-
     def __init__(self, tok: SparkTokenizer):
-        self.tok = tok
-        self.special = set(tok.special.values())
-        self.pending: list[int] = []
+        self.tok, self.special, self.table = tok, tok.special_ids, tok.bytes_table
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, i: int) -> str:
         """The text that id `i` completes ("" while a character is incomplete)."""
-        if i in self.special:
-            return self.flush()
-        self.pending.append(i)
-        text = self.tok.decode_one(i) if len(self.pending) == 1 else self.tok.decode(self.pending)
-        if text.endswith("\ufffd") and len(self.pending) < self.MAX_PENDING:
-            return ""  # wait for the rest of the character
-        self.pending = []
-        return text
+        return self.read([i])
 
     def read(self, ids: list[int]) -> str:
-        """push() of each id in turn, joined (a front end reads a stream's new ids a few at a time)."""
-        if not self.pending and self.special.isdisjoint(ids):
-            text = "".join(self.tok.decode_each(ids))
-            if "\ufffd" not in text:  # every id decoded whole on its own: what push() would give
-                return text
-        return "".join([self.push(i) for i in ids])
+        """The text that `ids` complete (a front end reads a stream's new ids a few at a time)."""
+        if self.special.isdisjoint(ids):
+            return self.utf8.decode(self._bytes(ids))
+        out = []
+        for i in ids:  # a special id ends any character cut before it
+            out.append(self.flush() if i in self.special else self.utf8.decode(self._bytes([i])))
+        return "".join(out)
 
     def flush(self) -> str:
-        """Whatever is held back (at the end of a reply)."""
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
+        """Whatever is held back (at the end of a reply), as U+FFFD."""
+        return self.utf8.decode(b"", final=True)
+
+    def _bytes(self, ids: list[int]) -> bytes:
+        try:
+            return b"".join([self.table[i] for i in ids])
+        except IndexError:  # an id the model has but the tokenizer does not: no text
+            return b"".join([self.tok.token_bytes(i) for i in ids])

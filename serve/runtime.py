@@ -311,7 +311,8 @@ class Runtime:
     def __post_init__(self):
         # a prompt of B UTF-8 bytes has at least B / longest token ids: a prompt that long is refused
         # before it is tokenized (a 1 MB prompt would hold the loop, GIL included, for seconds)
-        self.max_token_bytes = max(1, max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size)))
+        # (the ids' bytes table is built here, not on the loop at the first stream's first tokens)
+        self.max_token_bytes = max(1, max(map(len, self.tokenizer.bytes_table)))
 
     @classmethod
     def over(cls, link: EngineLink, metrics: Metrics, **fields) -> "Runtime":

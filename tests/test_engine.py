@@ -382,6 +382,28 @@ def test_utf8_pieces_are_whole(serve_tokenizer):
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p) > 5  # it did stream
 
+def test_stream_decoder_reads_what_decode_writes(serve_tokenizer):
+    """Any ids, read a few at a time, make the text the tokenizer's decode makes of them (special ids
+    left out), bytes that never make a character included."""
+    import random
+    from model.tokenizer import StreamDecoder
+    tok = serve_tokenizer
+    rng = random.Random(0)
+    plain = [i for i in range(tok.vocab_size) if i not in tok.special_ids]
+    cut = [i for i in plain if tok.token_bytes(i)[-1:] >= b"\xc0"]  # ids ending where a character starts
+    assert cut
+    for _ in range(200):
+        ids = [rng.choice(cut if rng.random() < 0.3 else plain) for _ in range(rng.randint(1, 12))]
+        dec, pieces, k = StreamDecoder(tok), [], 0
+        while k < len(ids):
+            n = rng.randint(1, 4)
+            pieces.append(dec.read(ids[k:k + n]))
+            k += n
+        assert "".join(pieces) + dec.flush() == tok.decode(ids)
+    with_special = [*tok.encode("a"), tok.special["<|assistant_end|>"], *tok.encode("b")]
+    assert StreamDecoder(tok).read(with_special) == "ab"
+
+
 def small_gpt():
     """A real GPT, fp32, small enough for a CPU, with output projections that are not zero and a
     sharp head (large logit gaps: greedy ids do not hang on float rounding between paths)."""
