@@ -433,6 +433,11 @@ def test_probe_cpu_tiny(tmp_path):
     assert (tmp_path / "probe.json").is_file() and "| bf16 | yes | 0 |" in md and "| fp8 | yes | 4 |" in md
     # the micro-step (forward + backward) is part of the whole step (which adds the optimizer)
     assert 0 < rows["bf16"]["micro_ms"] <= rows["bf16"]["step_ms"]
+    # every timed step is kept (a run's speed has a range), and the medians are theirs
+    import statistics
+    each = rows["bf16"]["step_ms_each"]
+    assert len(each) == len(rows["bf16"]["micro_ms_each"]) >= 1
+    assert statistics.median(each) == pytest.approx(rows["bf16"]["step_ms"], abs=1e-3)
 
 
 def test_probe_merge(tmp_path):

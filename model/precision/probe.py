@@ -161,7 +161,10 @@ def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer
                final_loss=sum(tail) / len(tail), last_loss=losses[-1], first_loss=losses[0],
                micro_ms=micro * 1e3, step_ms=med * 1e3, compile_s=sum(times[:warm]) - med * warm,
                tokens_per_s=batch * cfg.seq_len / micro, step_tokens_per_s=batch * cfg.seq_len / med,
-               peak_mem_gib=peak, losses=losses)
+               peak_mem_gib=peak, losses=losses,
+               # every timed step after warm-up, so a run's speed has a range, not only a median
+               micro_ms_each=[round(t * 1e3, 3) for t in micro_times[warm:]],
+               step_ms_each=[round(t * 1e3, 3) for t in times[warm:]])
     del run, model, opt
     return res
 
