@@ -43,16 +43,13 @@ CLOCK_SLACK = 0.001
 
 
 class PlainReader:
-    """ReplyReader's interface over plain text (/v1/completions): every word the model wrote, as one
-    text part; special ids are left out."""
+    """What TextStream reads of ReplyReader (read, finish, parts, tool_uses, done), over plain text
+    (/v1/completions): every word the model wrote, as one text part; special ids are left out."""
 
     def __init__(self, tok: SparkTokenizer):
         self.decoder = StreamDecoder(tok)
         self.tool_uses: list[ToolUse] = []
         self.words, self.done = "", False
-
-    def push(self, i: int) -> list:
-        return self._show(self.decoder.push(i))
 
     def read(self, ids: list[int]) -> list:
         return self._show(self.decoder.read(ids))
