@@ -102,17 +102,18 @@ class SparkTokenizer:
     def token_bytes(self, i: int) -> bytes:
         """The bytes id i stands for (a special token: its name; an id past the vocabulary: none). A
         token may end inside a UTF-8 character, so bytes, not text, are what a token is."""
-        name = self._tok.id_to_token(i)
-        if name is None:
-            return b""
-        if i in self.special_ids:
-            return name.encode()
-        return bytes(BYTE_OF_CHAR[c] for c in name)
+        table = self.bytes_table
+        return table[i] if 0 <= i < len(table) else b""
 
     @functools.cached_property
     def bytes_table(self) -> list[bytes]:
-        """token_bytes(i) of every id, by index (built once, for decoding streams a few ids at a time)."""
-        return [self.token_bytes(i) for i in range(self.vocab_size)]
+        """token_bytes(i) of every id, by index (built once: streams and logprobs read it a token at a time)."""
+        def of(i: int) -> bytes:
+            name = self._tok.id_to_token(i)
+            if name is None:
+                return b""
+            return name.encode() if i in self.special_ids else bytes(BYTE_OF_CHAR[c] for c in name)
+        return [of(i) for i in range(self.vocab_size)]
 
 
 class StreamDecoder:
