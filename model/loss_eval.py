@@ -11,12 +11,9 @@ from .tokenizer import SparkTokenizer
 
 def token_bytes(tok: SparkTokenizer, device) -> torch.Tensor:
     """UTF-8 bytes each token stands for (0 for special tokens): the denominator of bits per byte."""
-    special = set(tok.special.values())
-    out = torch.zeros(tok.vocab_size, dtype=torch.float32)
-    for i in range(tok.vocab_size):
-        if i not in special:
-            out[i] = len(tok.id_to_token(i) or "")  # byte-level alphabet: one char per byte
-    return out.to(device)
+    special = tok.special_ids
+    lengths = [0 if i in special else len(b) for i, b in enumerate(tok.bytes_table)]
+    return torch.tensor(lengths, dtype=torch.float32, device=device)
 
 
 @torch.no_grad()
