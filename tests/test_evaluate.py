@@ -1,7 +1,7 @@
 """The evaluate stage's benchmarks: the committed fixtures are in the hub datasets' own schemas and read
 through `datasets`; each schema becomes the right items; the log-likelihood scorer (model/scoring.py)
-gives what one unbatched forward per request gives; and every benchmark produces a score from a real
-(tiny, random) model, by log-likelihood and by generation."""
+gives what one unbatched forward per request gives; every benchmark produces a score from a real
+(tiny, random) model, by log-likelihood and by generation; and bits per byte counts each byte once."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model.chat_engine import chat_engine
+from model.loss_eval import token_bytes
 from model.scoring import score_continuations
 from pipeline import benchmarks as bm
 from pipeline import evaluate as ev
@@ -185,3 +186,14 @@ def test_every_benchmark_scores_by_loglikelihood_and_by_generation(serve_model, 
     assert c["mmlu"] == pytest.approx(round((base["mmlu"] - 0.25) / 0.75, 4))
     assert c["core"] == pytest.approx(sum(c[t] for t in base) / len(base), abs=1e-4)
     assert "chatcore" in ev.centered(chat, chance, fixture_benchmarks, chat=True)
+
+
+def test_bits_per_byte_counts_every_utf8_byte_of_the_text_once(serve_tokenizer):
+    """token_bytes, bits per byte's denominator: a text's ids add up to its UTF-8 length, characters cut
+    between tokens and ones the tokenizer never saw in training included; special ids count nothing."""
+    text = "Hello, wörld! 37 + 58 = 95 \u2713 \u65e5\u672c\u8a9e \U0001f642\n  tabs\tand spaces"
+    ids = serve_tokenizer.encode(text)
+    tbytes = token_bytes(serve_tokenizer, "cpu")
+    assert tbytes.shape == (serve_tokenizer.vocab_size,)
+    assert int(tbytes[ids].sum()) == len(text.encode("utf-8"))
+    assert not tbytes[sorted(serve_tokenizer.special_ids)].any()
