@@ -206,7 +206,11 @@ def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: 
            "text_token_share": round(r.text_tokens / tokens, 5),
            "tokens_per_event": round(tokens / max(r.text_events, 1), 2),
            "client_processes": r.processes, "client_cpu_us_per_token": per_token(r.client_cpu_s),
-           "busiest_client_cpu_share": round(r.busiest_cpu_share, 3)}
+           "busiest_client_cpu_share": round(r.busiest_cpu_share, 3),
+           # the same client code in every tree: on a machine whose speed drifts (a shared 2-core VM) the
+           # server's CPU over the clients' in one round moves less than either alone (serving.md)
+           "server_over_client_cpu": None if cpu["server_cpu_s"] is None or not r.client_cpu_s
+           else round(cpu["server_cpu_s"] / r.client_cpu_s, 4)}
     m0, m1 = before["metrics"], after["metrics"]
     if all(k in m0 and k in m1 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds")):
         out.update(host_share(tokens, int(m1["sparkchat_decode_steps"] - m0["sparkchat_decode_steps"]),
@@ -345,7 +349,7 @@ HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token
              "tree_cpu_us_per_token",
              "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
-             "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
+             "server_over_client_cpu", "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
 
 
 def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -> dict:
@@ -369,8 +373,9 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
                       f"{fmt(h['server_cpu_us_per_token'])} us a token" if "server_cpu_us_per_token" in h
                       else "unknown (no step counter)") +
                   f", text share {fmt(h['text_token_share'], '.3f')}, {fmt(h['tokens_per_event'], '.2f')} tokens an "
-                  f"event, clients {fmt(h['client_cpu_us_per_token'])} us "
-                  f"a token (median (min-max) of {len(rounds['http'][n])} rounds)", flush=True)
+                  f"event, clients {fmt(h['client_cpu_us_per_token'])} us a token" +
+                  (f" (server / clients {fmt(h['server_over_client_cpu'], '.3f')})" if "server_over_client_cpu" in h
+                   else "") + f" (median (min-max) of {len(rounds['http'][n])} rounds)", flush=True)
     return out
 
 
