@@ -318,8 +318,9 @@ class Engine:
             for b, c in enumerate(chunks[:n]):
                 ids[b, :len(c)] = torch.tensor(c)
             logits = self.model(ids.to(self.device), kv_cache=self.cache.view(start, start + n), kv_len=longest)
-            for b in range(n, len(new)):
-                self.cache.copy_row(start + src[b], start + b, len(chunks[b]))
+            if n < len(new):  # a copy holds its source's prompt: slots past its length are never read
+                self.cache.copy_rows([start + s for s in src[n:]], list(range(start + n, start + len(new))),
+                                     max(len(c) for c in chunks[n:]))
             lasts = [len(c) - 1 for c in chunks]
         self._set_lens(start, [len(c) for c in chunks])
         for b, (r, c) in enumerate(zip(new, chunks)):

@@ -107,6 +107,17 @@ class KVCache:
             v[dst, :, :n] = v[src, :, :n]
         self.lengths[dst] = self.lengths[src]
 
+    def copy_rows(self, src: list[int], dst: list[int], n: int) -> None:
+        """Copy rows src into rows dst (none of them a source), their first n slots, in one copy a layer:
+        copied a row at a time (two kernels a row and layer), 120 rows of the d20 cache cost the engine
+        about a sixth of its tokens at 128 streams on an H100 (bench/results/serving.md, "The shared
+        prefill's copies")."""
+        s, d = torch.tensor(src, device=self.lengths.device), torch.tensor(dst, device=self.lengths.device)
+        for k, v in zip(self.k, self.v):
+            k[d, :, :n] = k[s, :, :n]
+            v[d, :, :n] = v[s, :, :n]
+        self.lengths[d] = self.lengths[s]
+
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
 

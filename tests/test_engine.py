@@ -580,11 +580,12 @@ def test_special_token_text_in_a_message_is_plain_text(serve_tokenizer):
 
 def test_requests_of_one_prompt_share_its_prefill(engine_factory, serve_model, monkeypatch):
     """Requests of the same prompt admitted together run one prefill row between them (the others copy its
-    cache row) and sample exactly what each does alone: every seed's ids, greedy's, and the prompt's logprobs."""
+    cache row, all copies in one go) and sample exactly what each does alone: every seed's ids, greedy's, and the prompt's logprobs."""
     e = engine_factory(serve_model, max_batch=8)
     prompt, other = [5, 6, 7, 8, 9], [30, 31]
     wanted = [(prompt, dict(temperature=1.0, max_tokens=12, seed=s)) for s in (1, 2, 3)]
     wanted += [(other, dict(temperature=0, max_tokens=12)), (prompt, dict(temperature=0, max_tokens=12, prompt_logprobs=2))]
+    wanted += [(other, dict(temperature=1.0, max_tokens=12, seed=4))]  # copies of two prompts of unequal lengths
     alone = [run(e, p, **kw) for p, kw in wanted]
     lone_lp = []
     got = threading.Event()
