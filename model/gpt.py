@@ -99,9 +99,8 @@ class KVCache:
         return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
                                    self.lengths[start:stop], self.max_len, self.flex)
 
-    def copy_row(self, src: int, dst: int, n: int | None = None) -> None:
+    def copy_row(self, src: int, dst: int, n: int) -> None:
         """Move row src, which holds n tokens, into row dst (used to keep active rows contiguous)."""
-        n = int(self.lengths[src]) if n is None else n
         for k, v in zip(self.k, self.v):
             k[dst, :, :n] = k[src, :, :n]
             v[dst, :, :n] = v[src, :, :n]
