@@ -146,8 +146,12 @@ class Engine:
         self.steps_ahead = 0  # of which launched before the previous one's ids were read back
         self.cpu_seconds = 0.0  # CPU time of the scheduler thread (metrics: is the host keeping up?)
         self.step_cpu_seconds = 0.0  # of which inside the steps themselves (not after_step, not idle waits)
+        self.before_step: Callable[[], None] | None = None
+        """Called on the scheduler thread before each step (the server reads its front ends' commands)."""
         self.after_step: Callable[[], None] | None = None
         """Called on the scheduler thread after each step (the server sends that step's events on)."""
+        self.on_idle: Callable[[], None] | None = None
+        """Called on the scheduler thread when it runs out of work, before it waits for more."""
         self.stop_ids = set(config.stop_ids)
 
     # ---- public API (any thread) ----
@@ -247,11 +251,15 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
+                if self.on_idle is not None and not self.waiting and not self.active:
+                    self.on_idle()
                 with self._cv:
                     while self._running and not self.waiting and not self.active:
                         self._cv.wait()
                     if not self._running:
                         return
+                if self.before_step is not None:
+                    self.before_step()
                 t = time.thread_time()
                 try:
                     self._admit()

@@ -2,8 +2,9 @@
 
 The event loop reads the connection when it is readable (`add_reader`: no thread of its own, so no
 thread wake-up and GIL hand-over an engine step; the engine writes each message whole, so a read does not
-wait). Each message is an engine step's events for this front end, an ack, or stats; each event goes to
-its stream (`push`), which wakes its reader when due. Commands are sent from the loop.
+wait). Each message is an engine step's events for this front end, answers to commands among them; each
+answer resolves its waiting command, each other event goes to its stream (`push`), which wakes its
+reader when due. Commands are sent from the loop.
 
 When the connection ends (the engine process died), every open stream ends with an error and `dead`
 says why: /health then fails, and the supervisor ends the server (docs/serving.md, "Faults").
@@ -19,7 +20,7 @@ from multiprocessing.connection import Connection
 
 from model.requests import EngineError, EngineStopped, PromptTooLong, QueueFull
 
-from .engine_proc import FINISH
+from .engine_proc import ACK, FINISH
 
 log = logging.getLogger("sparkchat.serve")
 REFUSED = {"QueueFull": QueueFull, "PromptTooLong": PromptTooLong, "EngineStopped": EngineStopped,
@@ -68,20 +69,19 @@ class EngineLink:
             self.loop.remove_reader(self.conn.fileno())
             self._on_death(f"the engine process is gone ({type(e).__name__})")
 
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "step":
-            streams, now = self.streams, self.loop.time()
-            for ev in msg[1]:
-                s = streams.get(ev[0])
-                if s is not None:
-                    if ev[1] == FINISH:
-                        del streams[ev[0]]
-                    s.push(ev, now)
-        else:  # ("ack", rid, refusal) or ("stats", token, stats)
-            fut = self.waiting.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg[2])
+    def _on_message(self, msg: tuple) -> None:  # ("step", events): the only message after the hello
+        streams, now = self.streams, self.loop.time()
+        for ev in msg[1]:
+            if ev[1] <= ACK:  # (rid, ACK, refusal) or (key, STATS, stats): an answer
+                fut = self.waiting.pop(ev[0], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(ev[2])
+                continue
+            s = streams.get(ev[0])
+            if s is not None:
+                if ev[1] == FINISH:
+                    del streams[ev[0]]
+                s.push(ev, now)
 
     def _on_death(self, why: str) -> None:
         if self.dead is not None:
@@ -120,7 +120,7 @@ class EngineLink:
         """Submit a request whose events go to `stream.push`; its rid. Raises what the engine's submit
         raised (QueueFull, PromptTooLong, EngineStopped, ValueError)."""
         rid = next(self.rids)
-        self.streams[rid] = stream  # before the ack: the engine may send tokens first
+        self.streams[rid] = stream  # before the ack: its first tokens may come in the same message
         try:
             refusal = await self._ask(rid, ("submit", rid, prompt, params))
         except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run it

@@ -2,32 +2,38 @@
 
 `sparkchat serve` runs three kinds of process (docs/serving.md, "Processes"): a supervisor, this engine
 process, and one or more front ends (FastAPI + uvicorn) that render, tokenize, detokenize and frame SSE.
-The engine's scheduler thread then shares its GIL with nothing but this file's small reader threads.
+The engine's scheduler thread then shares its GIL with nothing but this file's one small thread.
 
 The channel is a `multiprocessing.connection` per front end (a Unix socket, pickled tuples; why not
-JSON: docs/serving.md, "The channel"). A front end sends commands, the engine answers:
+JSON: docs/serving.md, "The channel"). A front end sends commands; every answer is an event:
 
-    ("submit", rid, prompt ids, SamplingParams)  ->  ("ack", rid, None | (error class name, message))
+    ("submit", rid, prompt ids, SamplingParams)  ->  (rid, ACK, None | (error class name, message))
     ("cancel", rid)
-    ("stats", token)                              ->  ("stats", token, {queue_depth, num_active, ...})
+    ("stats", key)                                ->  (key, STATS, {queue_depth, num_active, ...})
                                                   <-  ("hello", info | None, load error | None) on connect
                                                   <-  ("step", [event, ...]) once per engine step
 
-A step's message holds every event of that front end's requests in that step, as plain tuples:
-(rid, id) a token, (rid, id, logprob, top) a token with its logprobs, (rid, PROMPT, logprobs, top) a
-prompt's logprobs, (rid, FINISH, reason, completion tokens, error) a request's end. One message per step
-and front end, not one per token: a send is a system call and a wake-up on the other side.
+A step's message holds every event of that front end since the last one, as plain tuples: the answers
+to the commands read before the step, then (rid, id) a token, (rid, id, logprob, top) a token with its
+logprobs, (rid, PROMPT, logprobs, top) a prompt's logprobs, (rid, FINISH, reason, completion tokens,
+error) a request's end. One message per step and front end, not one per token or per answer: a send is
+a system call and a wake-up on the other side.
 
-`EngineHost` serves the channel over a started Engine; it runs in the engine process (`main`), or in a
-thread of the front end's own process when a caller builds the engine itself (serve.runtime, tests).
+Commands are read between steps by the engine's scheduler thread while it has work (`before_step`), and
+by the host's own thread only while it has none: a command to a busy engine wakes no thread, and its
+answer goes out with the next step's events. `EngineHost` serves the channel over a started Engine; it
+runs in the engine process (`main`), or in the front end's own process when a caller builds the engine
+itself (serve.runtime, tests).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
 import secrets
+import select
 import signal
 import tempfile
 import threading
@@ -42,7 +48,7 @@ from model.model_dir import load_model_dir
 
 log = logging.getLogger("sparkchat.serve")
 
-FINISH, PROMPT = -1, -2  # an event's second field: a token id, or one of these
+FINISH, PROMPT, ACK, STATS = -1, -2, -3, -4  # an event's second field: a token id, or one of these
 REFUSALS = ("QueueFull", "PromptTooLong", "EngineStopped", "ValueError")  # submit errors sent back by name
 
 
@@ -54,34 +60,81 @@ class _Peer:
 
 
 class EngineHost:
-    """The channel's engine side over a started `model.engine.Engine`. `serve(conn)` answers one front
-    end until its connection closes (then its requests are cancelled); the engine's `after_step` sends
-    each front end its step's events. `info`: what a front end needs to know of the model (hello)."""
+    """The channel's engine side over a started `model.engine.Engine`: `add(conn)` serves one more front
+    end until its connection closes (then its requests are cancelled). The engine's hooks read the
+    commands before each step and send each front end its events after it; while the engine is idle,
+    the host's thread waits for commands instead. `info`: what a front end needs to know of the model
+    (hello)."""
 
     def __init__(self, engine, info: dict):
         self.engine, self.info = engine, info
         self.lock = threading.Lock()  # the peers' outboxes and every send
-        self.peers: list[_Peer] = []
-        engine.after_step = self.flush
+        self.read_lock = threading.Lock()  # one thread reads the connections at a time
+        self.state_lock = threading.Lock()  # `idle` against the engine's work
+        self.peers: dict[int, _Peer] = {}  # by the connection's file descriptor
+        # a poll object each reading thread (poll() may not run in two threads at once)
+        self.step_ready, self.idle_ready = select.poll(), select.poll()
+        self.wake_r, self.wake_w = os.pipe()  # a new front end wakes the idle thread's wait
+        os.set_blocking(self.wake_r, False)
+        self.idle_ready.register(self.wake_r, select.POLLIN)
+        self.idle = threading.Event()  # set while the engine has no work: the host's thread reads then
+        self.idle.set()
+        engine.before_step, engine.after_step, engine.on_idle = self.read_commands, self.flush, self._went_idle
+        threading.Thread(target=self._wait_for_commands, name="sparkchat-channel", daemon=True).start()
 
-    def serve(self, conn: Connection) -> None:
+    def add(self, conn: Connection) -> None:
         peer = _Peer(conn)
-        with self.lock:
-            self.peers.append(peer)
+        with self.read_lock, self.lock:
             self._send(peer, ("hello", self.info, None))
-        try:
-            while peer.open:
-                self._command(peer, conn.recv())
-                self.flush()  # a cancel's Finished comes from this thread, and the engine may be idle
-        except (EOFError, OSError):
-            pass  # the front end went away
-        finally:
-            with self.lock:
-                peer.open = False
-                self.peers.remove(peer)
-            for req in list(peer.requests.values()):  # only its own connections end
-                self.engine.cancel(req)
-            conn.close()
+            self.peers[conn.fileno()] = peer
+            for ready in (self.step_ready, self.idle_ready):
+                ready.register(conn.fileno(), select.POLLIN)
+        os.write(self.wake_w, b"+")
+
+    def _wait_for_commands(self) -> None:  # the host's thread
+        while True:
+            self.idle.wait()
+            self.idle_ready.poll()  # a command, a front end gone, or a new one
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
+            self.read_commands(self.idle_ready)
+            with self.state_lock:
+                busy = self._busy()
+                if busy:  # the scheduler reads from now on, until it calls _went_idle
+                    self.idle.clear()
+            if not busy:  # no step will come to carry the answers
+                self.flush()
+
+    def _busy(self) -> bool:
+        return bool(self.engine.waiting or self.engine.active)
+
+    def _went_idle(self) -> None:  # the scheduler thread, out of work
+        with self.state_lock:
+            if not self._busy():
+                self.idle.set()
+
+    def read_commands(self, ready=None) -> None:
+        """Every command that has arrived (the scheduler thread before a step, or the host's thread)."""
+        ready = ready or self.step_ready
+        with self.read_lock:
+            while fds := [fd for fd, _ in ready.poll(0) if fd in self.peers]:
+                for fd in fds:
+                    peer = self.peers[fd]
+                    try:
+                        self._command(peer, peer.conn.recv())
+                    except (EOFError, OSError):  # the front end went away
+                        self._drop(peer)
+
+    def _drop(self, peer: _Peer) -> None:  # under read_lock
+        fd = peer.conn.fileno()
+        with self.lock:
+            peer.open = False
+            del self.peers[fd]
+        for ready in (self.step_ready, self.idle_ready):
+            ready.unregister(fd)
+        for req in list(peer.requests.values()):  # only its own connections end
+            self.engine.cancel(req)
+        peer.conn.close()
 
     def _command(self, peer: _Peer, msg: tuple) -> None:
         kind = msg[0]
@@ -93,7 +146,7 @@ class EngineHost:
             except Exception as e:  # QueueFull, PromptTooLong, ... (REFUSALS); any other is the server's error
                 refusal = (type(e).__name__, str(e))
             with self.lock:
-                self._send(peer, ("ack", rid, refusal))
+                peer.outbox.append((rid, ACK, refusal))
         elif kind == "cancel":
             req = peer.requests.get(msg[1])
             if req is not None:
@@ -104,7 +157,7 @@ class EngineHost:
                      "cpu_seconds": e.cpu_seconds, "step_cpu_seconds": e.step_cpu_seconds,
                      "process_cpu_seconds": time.process_time()}
             with self.lock:
-                self._send(peer, ("stats", msg[1], stats))
+                peer.outbox.append((msg[1], STATS, stats))
 
     def _event(self, peer: _Peer, rid: int, ev) -> None:  # the engine's sink (its thread, or a cancel's)
         logprob = getattr(ev, "logprob", None)
@@ -121,7 +174,7 @@ class EngineHost:
     def flush(self) -> None:
         """Send each front end the events gathered since the last flush, as one message."""
         with self.lock:
-            for peer in self.peers:
+            for peer in self.peers.values():
                 if peer.outbox:
                     batch, peer.outbox = peer.outbox, []
                     self._send(peer, ("step", batch))
@@ -130,7 +183,7 @@ class EngineHost:
         if peer.open:
             try:
                 peer.conn.send(msg)
-            except OSError:  # it died: its reader thread cleans up
+            except OSError:  # it died: the next read drops it
                 peer.open = False
 
 
@@ -172,7 +225,7 @@ def _exit_with_parent() -> None:
 
 def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, address: str, authkey: bytes) -> None:
     """The engine process: listen at `address` at once, load the model, then serve every front end that
-    connects (each in a thread of its own). A load that fails is said to every front end instead."""
+    connects. A load that fails is said to every front end instead."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
     threading.Thread(target=_exit_with_parent, daemon=True).start()
@@ -188,7 +241,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
         if host is None:
             conn.send(("hello", None, error))
             continue
-        threading.Thread(target=host.serve, args=(conn,), name="sparkchat-frontend", daemon=True).start()
+        host.add(conn)
 
 
 class EngineProcess:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import threading
 import time
 from dataclasses import dataclass
 
@@ -340,7 +339,7 @@ class Runtime:
         """The engine in a thread of this process, over the same channel (a pipe)."""
         engine, info = load_engine(model_dir, device, max_batch, max_queue)
         ours, theirs = multiprocessing.Pipe()
-        threading.Thread(target=EngineHost(engine, info).serve, args=(theirs,), daemon=True).start()
+        EngineHost(engine, info).add(theirs)
         return cls.over(EngineLink.open(ours), metrics, engine=engine, **fields)
 
     def spacing(self) -> float:

@@ -92,6 +92,36 @@ def test_one_channel_message_per_engine_step(server):
     assert sum(counts) / len(counts) >= 3, counts
 
 
+def test_a_busy_engine_answers_with_its_next_step(server):
+    """Requests sent while others decode: the engine reads them between steps and each acknowledgement
+    comes in a step's message beside that step's tokens, never alone (fails with an immediate answer a
+    command: one more message, and a wake-up on each side)."""
+    from serve.engine_proc import ACK
+    link = server.app.state.runtime.link
+    acks, on_message = [], link._on_message
+    link._on_message = lambda msg: (acks.extend(any(e[1] >= 0 for e in msg[1]) for e in msg[1] if e[1] == ACK),
+                                    on_message(msg))[1]
+    try:
+        def one(i):
+            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+                    "model": "sparkchat", "messages": HI, "max_tokens": 48, "seed": i, "stream": True}) as r:
+                return sse_events(r)
+
+        first = threading.Thread(target=one, args=(0,))
+        first.start()
+        while not link.streams:  # the first request is in; the rest arrive while it decodes
+            time.sleep(0.01)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(1, 7)]
+        for t in threads:
+            t.start()
+        for t in [first, *threads]:
+            t.join(60)
+    finally:
+        del link._on_message
+    assert len(acks) == 7
+    assert sum(acks) >= 6, acks  # the first may be answered by an idle engine, alone
+
+
 def test_a_stream_that_fell_behind_gets_its_tokens_in_one_event(server):
     """The front end's loop stalls for a second while the engine goes on: the tokens of that second come
     as one event, not one each; the text is the same as the same seeded request's without the stall."""
