@@ -34,7 +34,7 @@ from .errors import APIError
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
-from .sse import EventStream
+from .sse import SERVER_SEND, EventStream
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
 log = logging.getLogger("sparkchat.serve")
@@ -199,6 +199,16 @@ for _path in ("/health", "/metrics"):
     router.add_api_route(_path, other_method, methods=[m for m in METHODS if m != "GET"], include_in_schema=False)
 
 
+class App(FastAPI):
+    """The API's app: FastAPI that leaves the ASGI server's own send in each request's scope, for an event
+    stream's events (serve.sse says why). A middleware that rewrites bodies would not see them."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None = None) -> FastAPI:
     """One front end. `loader(metrics) -> Runtime` replaces starting or reaching the engine process
     (tests: Runtime.in_process, to reach into the engine)."""
@@ -224,7 +234,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
             if app.state.runtime is not None:
                 app.state.runtime.close()
 
-    app = FastAPI(title="sparkchat", version="0.1.0", lifespan=lifespan)
+    app = App(title="sparkchat", version="0.1.0", lifespan=lifespan)
     app.state.settings, app.state.metrics = settings, metrics
     app.state.runtime, app.state.load_error = None, None
     app.state.started = int(time.time())

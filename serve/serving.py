@@ -267,10 +267,11 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
         return token_logprobs(runtime.tokenizer, tokens) if tokens else None
 
     async def frames():
-        held = ""  # a choice's last chunk: it goes out with the next event (each event is a write)
+        # what goes out with the next event (each event is a write): the role chunks with the first
+        # words, a choice's last chunk with another's
+        held = "".join(chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                       for i in range(len(streams)))
         try:
-            yield "".join(chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-                          for i in range(len(streams)))
             async with contextlib.aclosing(merged(streams)) as pieces:
                 async for i, piece in pieces:
                     s = streams[i]

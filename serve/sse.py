@@ -7,6 +7,11 @@ only waits for the sender. The sender is a task of its own because a task resume
 it is suspended in: the request's task sits under some twenty frames of uvicorn, middleware and routing,
 and resuming it once an event cost more than the event's own work (cProfile, 128 streams). The event
 iterator's `finally` (which cancels its engine requests) runs either way.
+
+The response start goes through every middleware; the events go straight to the server's own send
+(`SERVER_SEND`, put in the scope by serve.api's app), past four or five middleware send wrappers an
+event: the middleware here look only at the response start (its status, whether it began), and none
+rewrites a body.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ class Last(str):
     closing events are joined into one `Last`, not sent one write each)."""
 
 
+SERVER_SEND = "sparkchat.server_send"  # the scope key of the ASGI server's send (serve.api.App)
+
+
 class EventStream(Response):
     media_type = "text/event-stream"
 
@@ -30,18 +38,18 @@ class EventStream(Response):
         self.status_code, self.background = 200, None
         self.init_headers(headers)
 
-    async def _pump(self, send) -> None:
+    async def _pump(self, send, body_send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async with contextlib.aclosing(self.events) as events:
             async for event in events:
                 last = type(event) is Last
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": not last})
+                await body_send({"type": "http.response.body", "body": event.encode(), "more_body": not last})
                 if last:
                     return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
-        pump, gone = asyncio.create_task(self._pump(send)), False
+        pump, gone = asyncio.create_task(self._pump(send, scope.get(SERVER_SEND, send))), False
 
         async def watch() -> None:
             nonlocal gone

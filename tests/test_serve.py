@@ -261,7 +261,7 @@ def test_429_queue_full_and_cancel_frees_slot(tight_server):
     """One row, one queue place: a third request is refused; cancelling the first lets the second run."""
     c = openai.OpenAI(base_url=tight_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     first = chat(c, max_tokens=100, stream=True)  # 100 steps x 20 ms: ~2 s
-    next(iter(first))  # the role chunk: submitted, but perhaps still waiting for the row
+    next(iter(first))  # the role chunk, sent with the first words: it holds its row
     rt = tight_server.app.state.runtime
     deadline = time.time() + 10
     while not (rt.engine.num_active == 1 and rt.engine.queue_depth == 0) and time.time() < deadline:

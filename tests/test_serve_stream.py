@@ -92,6 +92,33 @@ def test_one_channel_message_per_engine_step(server):
     assert sum(counts) / len(counts) >= 3, counts
 
 
+def test_events_go_straight_to_the_servers_send(serve_start, serve_model_dir):
+    """A middleware sees a stream's response start but not its events (they skip every middleware's send
+    wrapper: serve.sse), and the client still gets every event (fails when they go through the chain)."""
+    seen = []
+    app = in_process(serve_model_dir)
+
+    class Watch:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def watched(message):
+                seen.append(message["type"])
+                await send(message)
+            stream = scope["type"] == "http" and scope["path"] == "/v1/chat/completions"
+            await self.app(scope, receive, watched if stream else send)
+
+    app.add_middleware(Watch)
+    s = serve_start(app)
+    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
+            "model": "sparkchat", "messages": HI, "max_tokens": 12, "seed": 1, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    assert seen == ["http.response.start"], seen
+
+
 def test_a_busy_engine_answers_with_its_next_step(server):
     """Requests sent while others decode: the engine reads them between steps and each acknowledgement
     comes in a step's message beside that step's tokens, never alone (fails with an immediate answer a
