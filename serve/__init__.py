@@ -10,6 +10,6 @@ STREAM_INTERVAL = 0.0  # least seconds between two SSE events of one stream (0: 
 # the front end a task wake-up, an ASGI send and a socket write whatever it carries (bench/results/serving.md,
 # "What an event costs"): with many streams, each stream's events are spaced active streams / this many
 # seconds apart and carry the tokens in between; one stream, or a few, still get every token at once.
-# 1000 against 2000: about 11% less of the server's CPU a token at 128 CPU streams (serving.md, "The
-# server's CPU a token at 128 CPU streams"), and still eight events a second to each of 128 streams.
+# 1000 rather than 2000: less of the server's CPU a token at 128 CPU streams (serving.md, "The server's
+# CPU a token at 128 CPU streams"), and still eight events a second to each of 128 streams.
 STREAM_EVENTS_PER_S = 1000.0

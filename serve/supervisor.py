@@ -1,6 +1,6 @@
 """`sparkchat serve`'s processes: the engine's, N front ends', and this one, which starts and watches them.
 
-    supervisor ── engine process (serve.engine_proc): the model, the scheduler thread, a thread per front end
+    supervisor ── engine process (serve.engine_proc): the model, the scheduler thread, the channel's thread
                └─ front end 1..N (serve.api under uvicorn, all accepting on the one socket bound here)
 
 Each process has its own GIL: the engine's scheduler thread is not slowed by HTTP, rendering,

@@ -206,7 +206,7 @@ def mount_ui(app: FastAPI, settings) -> gr.Blocks:
                         footer_links=[], ssr_mode=False)
     # Gradio's queue looks for new jobs every millisecond while it has none (Linux; 50 ms on Windows), and
     # for progress to send every 10 ms: over a thousand wake-ups a second of an idle page, on the loop
-    # every API stream shares. QUEUE_POLL_S is Gradio's own job poll on Windows: a chat turn that waits up
-    # to 50 ms to start is not seen. Gradio has no public setting for either.
+    # every API stream shares. QUEUE_POLL_S is Gradio's own job poll on Windows: a chat turn that waits that
+    # long to start is not seen. Gradio has no public setting for either.
     page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S
     return page
