@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 
 from model.requests import EngineError, EngineStopped, PromptTooLong, QueueFull
 
-from .engine_proc import ACK, FINISH
+from .engine_proc import ACK, FINISH, send
 
 log = logging.getLogger("sparkchat.serve")
 REFUSED = {"QueueFull": QueueFull, "PromptTooLong": PromptTooLong, "EngineStopped": EngineStopped,
@@ -101,7 +101,7 @@ class EngineLink:
             raise EngineStopped(self.dead)
         try:
             with self.send_lock:
-                self.conn.send(msg)
+                send(self.conn, msg)
         except OSError as e:
             self._on_death(f"the engine process is gone ({type(e).__name__})")
             raise EngineStopped(self.dead) from None

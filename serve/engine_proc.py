@@ -32,6 +32,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import pickle
 import secrets
 import select
 import signal
@@ -50,6 +51,12 @@ log = logging.getLogger("sparkchat.serve")
 
 FINISH, PROMPT, ACK, STATS = -1, -2, -3, -4  # an event's second field: a token id, or one of these
 REFUSALS = ("QueueFull", "PromptTooLong", "EngineStopped", "ValueError")  # submit errors sent back by name
+
+
+def send(conn: Connection, msg) -> None:
+    """`conn.send(msg)`, read by `conn.recv()` as ever, with plain pickle: Connection.send's pickler
+    copies its table of reducers (torch registers dozens) for every message."""
+    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
 
 class _Peer:
@@ -182,7 +189,7 @@ class EngineHost:
     def _send(self, peer: _Peer, msg) -> None:  # under self.lock
         if peer.open:
             try:
-                peer.conn.send(msg)
+                send(peer.conn, msg)
             except OSError:  # it died: the next read drops it
                 peer.open = False
 
