@@ -132,10 +132,9 @@ class TextStream:
     def push(self, ev: tuple, now: float = 0.0) -> None:
         """An event from the link, on the loop (`now`: the loop time its engine step arrived; 0: read the
         clock if needed). Wakes the reader if the stream is due, else the event waits for a later one."""
-        self.pending.append(ev)  # (due(), inlined: this runs once a token)
-        wake = self.wake
-        if wake.waiter is not None and ((now or self.loop.time()) + CLOCK_SLACK >= self.next_at or ev[1] == FINISH):
-            wake.set()
+        self.pending.append(ev)
+        if self.wake.waiter is not None and self.due(now or self.loop.time()):
+            self.wake.set()
 
     def take_tokens(self) -> list[Token]:
         new, self._taken = self.tokens[self._taken:], len(self.tokens)
