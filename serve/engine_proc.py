@@ -246,7 +246,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     while True:
         conn = listener.accept()
         if host is None:
-            conn.send(("hello", None, error))
+            send(conn, ("hello", None, error))
             continue
         host.add(conn)
 
