@@ -500,10 +500,16 @@ def gpu_checks(model, args, levels: list[int], vocab: int, weight_bytes: int, re
 
 
 def git_commit() -> str | None:
-    """The commit this run's code is at (a `+` when the tree has changes), or None outside git."""
+    """The commit this run's code is at (a `+` when the tree has changes), or None when this code is not
+    a git work tree's own (outside git, or an exported tree copied into another checkout, whose HEAD is
+    not this code's)."""
     import subprocess
     root = Path(__file__).resolve().parent.parent
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        if Path(top).resolve() != root:
+            return None
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
