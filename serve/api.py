@@ -84,7 +84,9 @@ def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threadin
 
     def run():
         try:
-            app.state.runtime = loader().start(loop)
+            runtime = loader()
+            runtime.link.on_death = app.state.on_engine_lost
+            app.state.runtime = runtime.start(loop)
             app.state.metrics.loaded = True
         except Exception as e:  # /health reports it; the process stays up to say so
             log.exception("loading the model failed")
@@ -237,6 +239,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     app = App(title="sparkchat", version="0.1.0", lifespan=lifespan)
     app.state.settings, app.state.metrics = settings, metrics
     app.state.runtime, app.state.load_error = None, None
+    app.state.on_engine_lost = None  # called with the reason when the channel to the engine ends
     app.state.started = int(time.time())
     errors.install(app)
     app.include_router(router)

@@ -1,30 +1,83 @@
 """A front end's side of the channel to the engine (serve.engine_proc says what travels on it).
 
-The event loop reads the connection when it is readable (`add_reader`: no thread of its own, so no
-thread wake-up and GIL hand-over an engine step; the engine writes each message whole, so a read does not
-wait). Each message is an engine step's events for this front end, answers to commands among them; each
-answer resolves its waiting command, each other event goes to its stream (`push`), which wakes its
-reader when due. Commands are sent from the loop.
+After the hello (read blocking, before the event loop serves anything), the connection's socket is the
+event loop's: an asyncio protocol (`_Channel`) takes the bytes as they arrive, cuts them into messages
+by multiprocessing.connection's framing (what the engine's Connection writes), and hands each to the
+link; commands go out through the loop's transport, which buffers what the socket cannot take yet.
+(Connection.recv and send on the loop's socket would not do: the loop makes it non-blocking, and a
+message larger than the socket's buffer, as prompt logprobs for a long prompt are, then breaks off.)
 
-When the connection ends (the engine process died), every open stream ends with an error and `dead`
-says why: /health then fails, and the supervisor ends the server (docs/serving.md, "Faults").
+Each message is an engine step's events for this front end, answers to commands among them; each
+answer resolves its waiting command, each other event goes to its stream (`push`), which wakes its
+reader when due. Every message that has arrived is handed over before any reader runs: a loop that fell
+behind hands each stream the tokens of several steps at once (one event, not one a step).
+
+When the connection ends (the engine process died, or it dropped this front end), every open stream
+ends with an error and `dead` says why: /health then fails, and the supervisor ends the server or starts
+the front end again (docs/serving.md, "Faults").
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import select
-import threading
+import os
+import pickle
+import socket
 from multiprocessing.connection import Connection
+from typing import Callable
 
 from model.requests import EngineError, EngineStopped, PromptTooLong, QueueFull
 
-from .engine_proc import ACK, FINISH, send
+from .engine_proc import ACK, FINISH, frame
 
 log = logging.getLogger("sparkchat.serve")
 REFUSED = {"QueueFull": QueueFull, "PromptTooLong": PromptTooLong, "EngineStopped": EngineStopped,
            "ValueError": ValueError}
+
+
+class _Channel(asyncio.Protocol):
+    """The bytes from the engine, cut into messages: a 4-byte big-endian length (-1: an 8-byte one follows),
+    then that many bytes of pickle."""
+
+    def __init__(self, link: "EngineLink"):
+        self.link = link
+        self.buf = bytearray()
+        self.need = 4  # bytes the next message needs before it can be read
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if len(buf) < self.need:  # the rest of a large message is still coming
+            return
+        pos, end, msgs = 0, len(buf), []
+        while True:
+            if end - pos < 4:
+                need = 4
+                break
+            size, head = int.from_bytes(buf[pos:pos + 4], "big", signed=True), 4
+            if size == -1:
+                if end - pos < 12:
+                    need = 12
+                    break
+                size, head = int.from_bytes(buf[pos + 4:pos + 12], "big"), 12
+            if end - pos < head + size:
+                need = head + size
+                break
+            msgs.append(pickle.loads(buf[pos + head:pos + head + size]))
+            pos += head + size
+        del buf[:pos]
+        self.need = need
+        for msg in msgs:
+            self.link._on_message(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = "the connection to the engine closed (its process is gone, or it dropped this front end)"
+        self.link._on_death(why if exc is None else f"{why}: {type(exc).__name__}")
 
 
 class EngineLink:
@@ -34,11 +87,12 @@ class EngineLink:
     def __init__(self, conn: Connection, info: dict):
         self.conn, self.info = conn, info
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.channel: _Channel | None = None
         self.streams: dict[int, object] = {}  # rid -> its stream (anything with push(event))
         self.waiting: dict[int, asyncio.Future] = {}  # acks and stats answers, by rid / token
         self.rids = itertools.count()
-        self.send_lock = threading.Lock()
         self.dead: str | None = None
+        self.on_death: Callable[[str], None] | None = None  # called once, when the link dies
 
     @classmethod
     def open(cls, conn: Connection) -> "EngineLink":
@@ -50,24 +104,16 @@ class EngineLink:
         return cls(conn, info)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "EngineLink":
-        self.loop = loop  # (called from the thread that loaded the model: the loop adds the reader itself)
-        # "is another message there?" after each read: Connection.poll() builds a selector a call
-        self.ready = select.poll()
-        self.ready.register(self.conn.fileno(), select.POLLIN)
-        loop.call_soon_threadsafe(loop.add_reader, self.conn.fileno(), self._read)
-        return self
+        """Hand the connection to `loop`, running in another thread (this one waits until it is done)."""
+        self.loop = loop
+        sock = socket.socket(fileno=os.dup(self.conn.fileno()))  # from now on the loop's
+        self.conn.close()
 
-    def _read(self) -> None:  # on the loop, when the connection is readable
-        """Every message that has arrived, before any reader runs: a loop that fell behind hands each
-        stream the tokens of several steps at once (one event, not one a step)."""
-        try:
-            while True:
-                self._on_message(self.conn.recv())
-                if not self.ready.poll(0):
-                    return
-        except (EOFError, OSError) as e:
-            self.loop.remove_reader(self.conn.fileno())
-            self._on_death(f"the engine process is gone ({type(e).__name__})")
+        async def attach() -> None:
+            _, self.channel = await loop.connect_accepted_socket(lambda: _Channel(self), sock)
+
+        asyncio.run_coroutine_threadsafe(attach(), loop).result()
+        return self
 
     def _on_message(self, msg: tuple) -> None:  # ("step", events): the only message after the hello
         streams, now = self.streams, self.loop.time()
@@ -87,6 +133,8 @@ class EngineLink:
         if self.dead is not None:
             return
         self.dead = why
+        if self.on_death is not None:
+            self.on_death(why)
         log.error("%s: every open stream ends with an error", why)
         for rid, s in list(self.streams.items()):
             s.push((rid, FINISH, "error", 0, why))
@@ -96,15 +144,10 @@ class EngineLink:
                 fut.set_exception(EngineStopped(why))
         self.waiting.clear()
 
-    def _send(self, msg) -> None:
+    def _send(self, msg) -> None:  # on the loop
         if self.dead is not None:
             raise EngineStopped(self.dead)
-        try:
-            with self.send_lock:
-                send(self.conn, msg)
-        except OSError as e:
-            self._on_death(f"the engine process is gone ({type(e).__name__})")
-            raise EngineStopped(self.dead) from None
+        self.channel.transport.write(frame(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)))
 
     async def _ask(self, key: int, msg) -> object:
         fut = self.loop.create_future()
@@ -152,6 +195,8 @@ class EngineLink:
 
     def close(self) -> None:
         self.dead = self.dead or "closed"
-        if self.loop is not None and not self.loop.is_closed() and not self.conn.closed:
-            self.loop.remove_reader(self.conn.fileno())
-        self.conn.close()
+        if self.channel is not None:
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self.channel.transport.close)
+        else:
+            self.conn.close()

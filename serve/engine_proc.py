@@ -36,6 +36,7 @@ import pickle
 import secrets
 import select
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -51,6 +52,7 @@ log = logging.getLogger("sparkchat.serve")
 
 FINISH, PROMPT, ACK, STATS = -1, -2, -3, -4  # an event's second field: a token id, or one of these
 REFUSALS = ("QueueFull", "PromptTooLong", "EngineStopped", "ValueError")  # submit errors sent back by name
+READABLE = select.POLLIN | select.POLLHUP | select.POLLERR  # a command, or the connection's end
 
 
 def send(conn: Connection, msg) -> None:
@@ -59,11 +61,27 @@ def send(conn: Connection, msg) -> None:
     conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
 
+def frame(payload: bytes) -> bytes:
+    """`payload` as Connection.send_bytes puts it on the wire (what Connection.recv_bytes reads): its
+    length in 4 big-endian bytes, or -1 and the length in 8 when it does not fit 31 bits."""
+    n = len(payload)
+    head = n.to_bytes(4, "big") if n < 2 ** 31 else (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big")
+    return head + payload
+
+
+# what a front end may leave unread before the engine drops it (it stopped reading: its process is
+# stopped or stuck); below this its events wait for it, and the engine never waits on a front end
+MAX_BACKLOG = 256 * 2 ** 20
+
+
 class _Peer:
-    """One front end's connection: its requests by rid, and the events not yet sent."""
+    """One front end's connection: its requests by rid, the events not yet sent, and the bytes of sent
+    messages that its socket has not taken yet (`backlog`)."""
 
     def __init__(self, conn: Connection):
         self.conn, self.requests, self.outbox, self.open = conn, {}, [], True
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # for sends that never block
+        self.backlog = bytearray()
 
 
 class EngineHost:
@@ -84,6 +102,7 @@ class EngineHost:
         self.wake_r, self.wake_w = os.pipe()  # a new front end wakes the idle thread's wait
         os.set_blocking(self.wake_r, False)
         self.idle_ready.register(self.wake_r, select.POLLIN)
+        self.writing: set[int] = set()  # connections idle_ready also waits on for room to write
         self.idle = threading.Event()  # set while the engine has no work: the host's thread reads then
         self.idle.set()
         engine.before_step, engine.after_step, engine.on_idle = self.read_commands, self.flush, self._went_idle
@@ -101,9 +120,15 @@ class EngineHost:
     def _wait_for_commands(self) -> None:  # the host's thread
         while True:
             self.idle.wait()
-            self.idle_ready.poll()  # a command, a front end gone, or a new one
+            self._watch_writes()
+            ready = self.idle_ready.poll()  # a command, a front end gone, a new one, or room to write
             with contextlib.suppress(BlockingIOError):
                 os.read(self.wake_r, 4096)
+            if any(ev & select.POLLOUT for _, ev in ready):
+                with self.lock:
+                    for fd, ev in ready:
+                        if ev & select.POLLOUT and fd in self.peers:
+                            self._drain(self.peers[fd])
             self.read_commands(self.idle_ready)
             with self.state_lock:
                 busy = self._busy()
@@ -111,6 +136,16 @@ class EngineHost:
                     self.idle.clear()
             if not busy:  # no step will come to carry the answers
                 self.flush()
+
+    def _watch_writes(self) -> None:  # the host's thread, before it waits
+        """Wait for room to write too on the connections with a backlog: with no step to come, nothing
+        else would send it."""
+        with self.lock:
+            want = {fd for fd, peer in self.peers.items() if peer.backlog}
+        for fd in want ^ self.writing:
+            with contextlib.suppress(KeyError, OSError):  # (a peer dropped meanwhile)
+                self.idle_ready.modify(fd, select.POLLIN | (select.POLLOUT if fd in want else 0))
+        self.writing = want
 
     def _busy(self) -> bool:
         return bool(self.engine.waiting or self.engine.active)
@@ -124,7 +159,7 @@ class EngineHost:
         """Every command that has arrived (the scheduler thread before a step, or the host's thread)."""
         ready = ready or self.step_ready
         with self.read_lock:
-            while fds := [fd for fd, _ in ready.poll(0) if fd in self.peers]:
+            while fds := [fd for fd, ev in ready.poll(0) if ev & READABLE and fd in self.peers]:
                 for fd in fds:
                     peer = self.peers[fd]
                     try:
@@ -142,6 +177,7 @@ class EngineHost:
         for req in list(peer.requests.values()):  # only its own connections end
             self.engine.cancel(req)
         peer.conn.close()
+        peer.sock.close()
 
     def _command(self, peer: _Peer, msg: tuple) -> None:
         kind = msg[0]
@@ -185,13 +221,35 @@ class EngineHost:
                 if peer.outbox:
                     batch, peer.outbox = peer.outbox, []
                     self._send(peer, ("step", batch))
+                elif peer.backlog:
+                    self._drain(peer)
 
     def _send(self, peer: _Peer, msg) -> None:  # under self.lock
+        """Send without waiting: what the socket cannot take now waits in the peer's backlog, sent first
+        at the next flush (or by the host's thread when the engine is idle)."""
         if peer.open:
-            try:
-                send(peer.conn, msg)
-            except OSError:  # it died: the next read drops it
-                peer.open = False
+            peer.backlog += frame(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+            self._drain(peer)
+
+    def _drain(self, peer: _Peer) -> None:  # under self.lock
+        try:
+            while peer.backlog:
+                n = peer.sock.send(peer.backlog, socket.MSG_DONTWAIT)
+                del peer.backlog[:n]
+        except BlockingIOError:
+            if len(peer.backlog) > MAX_BACKLOG:
+                log.error("a front end left %d MiB unread: dropping it (its requests are cancelled)",
+                          len(peer.backlog) >> 20)
+                self._hang_up(peer)
+        except OSError:  # it died: the next read drops it
+            self._hang_up(peer)
+
+    def _hang_up(self, peer: _Peer) -> None:  # under self.lock
+        """Stop sending to a peer; its connection reads as ended from now on, so the next read of the
+        commands drops it (and cancels its requests)."""
+        peer.open, peer.backlog = False, bytearray()
+        with contextlib.suppress(OSError):
+            peer.sock.shutdown(socket.SHUT_RDWR)
 
 
 def pick_device(device: str | None) -> torch.device:

@@ -11,6 +11,7 @@ again. Every child leaves when this process does (serve.engine_proc watches its 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -26,6 +27,9 @@ from .metrics import MULTIPROC_ENV
 log = logging.getLogger("sparkchat.serve")
 
 
+LEAVE_AFTER_S = 1.0  # a front end whose channel to the engine ended exits this much later
+
+
 def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
     """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -35,6 +39,13 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
 
     from .api import Settings, create_app
     app = create_app(Settings(**settings))
+
+    def leave(why: str) -> None:  # on the loop: give the open streams a moment to send their error
+        asyncio.get_running_loop().call_later(LEAVE_AFTER_S, os._exit, 1)
+
+    # the channel ended: if the engine process died, the supervisor is ending the server; if the engine
+    # dropped this front end (it had stopped reading), the supervisor starts it again
+    app.state.on_engine_lost = leave
     freeze_heap()
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
 

@@ -1,6 +1,7 @@
 """`sparkchat serve`'s processes under faults: real processes, real signals (kill -9).
 
-Four 1 MB prompts arriving while a stream runs: the stream keeps getting tokens meanwhile.
+Four 1 MB prompts arriving while a stream runs: the stream keeps getting tokens meanwhile. Engine
+messages larger than a socket buffer arrive whole; a front end that stops reading stalls no one else.
 The engine process killed: /health fails and the server exits with code 1, never hangs, and an open
 stream ends. A front-end process killed: only its own connections end; a stream on the other front end
 goes on to its last token, and the killed one is started again.
@@ -120,10 +121,11 @@ class Server:
 class Stream:
     """A streamed chat completion over a raw socket (so the test knows which connection it is)."""
 
-    def __init__(self, port: int, banned: list[int]):
+    def __init__(self, port: int, banned: list[int], **extra):
         body = json.dumps({"model": "sparkchat", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
                            "max_tokens": MAX_TOKENS, "stream_options": {"include_usage": True},
-                           "logit_bias": {str(i): -100 for i in banned}})  # no stop id: it runs to MAX_TOKENS
+                           "logit_bias": {str(i): -100 for i in banned},  # no stop id: it runs to MAX_TOKENS
+                           **extra})
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
@@ -174,30 +176,31 @@ def test_a_killed_engine_ends_the_server(long_model_dir, banned):
         server.stop()
 
 
+def one_on_each(server: Server, banned: list[int], streams: list[Stream], **extra) -> dict[int, Stream]:
+    """Streams until both front ends hold one (the kernel picks who accepts): {front end's pid: stream}.
+    Every stream opened goes into `streams` (to close at the end)."""
+    by_frontend: dict[int, Stream] = {}
+    deadline = time.time() + 120
+    while len(by_frontend) < 2 and time.time() < deadline:
+        s = Stream(server.port, banned, **extra)
+        streams.append(s)
+        s.read(1)
+        if by_frontend.setdefault(server.frontend_of(s.sock), s) is not s:
+            s.close()
+            time.sleep(0.2)
+    return by_frontend
+
+
 def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banned):
     server = Server(long_model_dir, "--api-servers", "2")
     streams = []
     try:
         server.wait_healthy()
-
-        def one_on_each() -> dict[int, Stream]:
-            """Connections until both front ends hold one: the kernel picks who accepts."""
-            by_frontend: dict[int, Stream] = {}
-            deadline = time.time() + 120
-            while len(by_frontend) < 2 and time.time() < deadline:
-                s = Stream(server.port, banned)
-                streams.append(s)
-                s.read(1)
-                if by_frontend.setdefault(server.frontend_of(s.sock), s) is not s:
-                    s.close()
-                    time.sleep(0.2)
-            return by_frontend
-
         # the second front end may still be starting, and a stream opened that long before the kill can
         # have ended by then (a full run saw it): once both are up, fresh streams on each
-        for s in one_on_each().values():
+        for s in one_on_each(server, banned, streams).values():
             s.close()
-        (killed, lost), (_, kept) = one_on_each().items()
+        (killed, lost), (_, kept) = one_on_each(server, banned, streams).items()
         lost.read(2)
         kept.read(2)
         os.kill(killed, signal.SIGKILL)
@@ -254,3 +257,65 @@ def test_four_1mb_prompts_do_not_stall_a_running_stream(long_model_dir, banned):
         assert max(gaps) < 2.0, max(gaps)
     finally:
         server.stop()
+
+
+def test_a_stopped_front_end_does_not_stall_the_others(long_model_dir, banned):
+    """A front end that stops reading (SIGSTOP) while its stream's events, with 20 top logprobs a token,
+    outgrow the channel's socket buffer: the engine keeps their bytes for it and goes on, so the other
+    front end's stream runs to its end meanwhile; woken, the stopped one gets its whole stream. (Sent
+    blocking, the engine's step loop waited on the stopped front end, and every stream stopped.)"""
+    server = Server(long_model_dir, "--api-servers", "2", "--no-ui")
+    streams: list[Stream] = []
+    try:
+        server.wait_healthy()
+        for s in one_on_each(server, banned, streams).values():  # (both front ends up: see above)
+            s.close()
+        (stopped, late), (_, running) = one_on_each(server, banned, streams, logprobs=True, top_logprobs=20).items()
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            running.read()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        late.read()
+        for s in (running, late):
+            assert s.done and s.events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+            assert sum(len(e["choices"][0]["logprobs"]["content"]) for e in s.events
+                       if e["choices"] and e["choices"][0].get("logprobs")) == MAX_TOKENS
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    finally:
+        for s in streams:
+            s.close()
+        assert server.stop() == 0
+
+
+def test_messages_larger_than_the_socket_buffer(long_model_dir):
+    """Prompt logprobs of long prompts, 20 alternatives a token, make engine messages of hundreds of KB
+    (more than a socket takes at once): scored concurrently, every one arrives whole (a front end that
+    read them with Connection.recv on its loop's non-blocking socket took the first one broken off for
+    the engine's death, and answered 503 from then on)."""
+    server = Server(long_model_dir, "--api-servers", "1", "--no-ui")
+    prompt = " ".join(f"word{i}" for i in range(150))
+    results = []
+
+    def score(i: int) -> None:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "sparkchat", "prompt": f"{i} {prompt}", "echo": True, "logprobs": 20, "max_tokens": 0})
+        results.append((r.status_code, r.json()))
+
+    try:
+        server.wait_healthy()
+        for _ in range(2):
+            threads = [threading.Thread(target=score, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+        assert [status for status, _ in results] == [200] * 16, results[:1]
+        for _, body in results:
+            lp = body["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) >= body["usage"]["prompt_tokens"] - 1 > 500  # (the BOS id has no text)
+            assert all(len(top) == 20 for top in lp["top_logprobs"][1:])
+        assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+    finally:
+        assert server.stop() == 0
+
