@@ -189,11 +189,20 @@ class Engine:
         return req
 
     def submit_all(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Sink]]) -> list[Request]:
-        """Submit (prompt, params, sink) triples at once: the scheduler sees none of them before the last is
-        queued, so on an idle engine the batches they run in follow from the requests alone, not from
-        thread timing, and seeded requests give the same ids on every run (RL rollouts resume bit-exactly)."""
+        """Submit (prompt, params, sink) triples at once, all or none: the scheduler sees none of them before
+        the last is queued, so on an idle engine the batches they run in follow from the requests alone, not
+        from thread timing, and seeded requests give the same ids on every run (RL rollouts resume
+        bit-exactly); one refused (QueueFull, PromptTooLong, ValueError) leaves none of them queued."""
         with self._cv:  # a Condition's lock is reentrant: each submit takes it again
-            return [self.submit(*r) for r in requests]
+            queued: list[Request] = []
+            try:
+                for r in requests:
+                    queued.append(self.submit(*r))
+            except BaseException:
+                for req in queued:  # (the scheduler has not seen them: it waits for this lock)
+                    self.waiting.remove(req)
+                raise
+            return queued
 
     def cancel(self, req: Request) -> None:
         """Stop a request: a waiting one leaves the queue now, an active one frees its row before the

@@ -159,24 +159,30 @@ class EngineLink:
             raise
         return await fut
 
-    async def submit(self, prompt: list[int], params, stream) -> int:
-        """Submit a request whose events go to `stream.push`; its rid. Raises what the engine's submit
-        raised (QueueFull, PromptTooLong, EngineStopped, ValueError)."""
-        rid = next(self.rids)
-        self.streams[rid] = stream  # before the ack: its first tokens may come in the same message
+    async def submit(self, jobs: list[tuple[list[int], object, object]]) -> list[int]:
+        """Submit a request's generations, each (prompt ids, SamplingParams, the stream whose `push` gets
+        its events), all or none; their rids. Raises what the engine refused them with (QueueFull,
+        PromptTooLong, EngineStopped, ValueError)."""
+        rids = [next(self.rids) for _ in jobs]
+        for rid, (_, _, stream) in zip(rids, jobs):
+            self.streams[rid] = stream  # before the ack: their first tokens may come in the same message
         try:
-            refusal = await self._ask(rid, ("submit", rid, prompt, params))
-        except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run it
-            self.cancel(rid)
+            refusal = await self._ask(rids[0], ("submit", [(rid, prompt, params)
+                                                           for rid, (prompt, params, _) in zip(rids, jobs)]))
+        except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run them
+            for rid in rids:
+                self.cancel(rid)
             raise
         except EngineStopped:
-            self.streams.pop(rid, None)
+            for rid in rids:
+                self.streams.pop(rid, None)
             raise
         if refusal is not None:
-            self.streams.pop(rid, None)
+            for rid in rids:
+                self.streams.pop(rid, None)
             kind, message = refusal
             raise REFUSED.get(kind, EngineError)(message)
-        return rid
+        return rids
 
     def cancel(self, rid: int) -> None:
         if self.streams.pop(rid, None) is not None:
@@ -192,6 +198,8 @@ class EngineLink:
             return await asyncio.wait_for(self._ask(key, ("stats", key)), timeout)
         except (EngineStopped, asyncio.TimeoutError):
             return None
+        finally:
+            self.waiting.pop(key, None)  # (an answer that never came)
 
     def close(self) -> None:
         self.dead = self.dead or "closed"

@@ -7,17 +7,20 @@ The engine's scheduler thread then shares its GIL with nothing but this file's o
 The channel is a `multiprocessing.connection` per front end (a Unix socket, pickled tuples; why not
 JSON: docs/serving.md, "The channel"). A front end sends commands; every answer is an event:
 
-    ("submit", rid, prompt ids, SamplingParams)  ->  (rid, ACK, None | (error class name, message))
+    ("submit", [(rid, prompt ids, SamplingParams), ...])  ->  (first rid, ACK, None | (error class, message))
     ("cancel", rid)
-    ("stats", key)                                ->  (key, STATS, {queue_depth, num_active, ...})
-                                                  <-  ("hello", info | None, load error | None) on connect
-                                                  <-  ("step", [event, ...]) once per engine step
+    ("stats", key)                                        ->  (key, STATS, {queue_depth, num_active, ...})
+                                                          <-  ("hello", info | None, load error | None)
+                                                          <-  ("step", [event, ...]) once per engine step
+
+A submit carries a request's generations (its prompts times `n`), queued together or not at all.
 
 A step's message holds every event of that front end since the last one, as plain tuples: the answers
 to the commands read before the step, then (rid, id) a token, (rid, id, logprob, top) a token with its
 logprobs, (rid, PROMPT, logprobs, top) a prompt's logprobs, (rid, FINISH, reason, completion tokens,
 error) a request's end. One message per step and front end, not one per token or per answer: a send is
-a system call and a wake-up on the other side.
+a system call and a wake-up on the other side. The engine never waits on a front end: what a front end's
+socket cannot take yet waits in its backlog (a front end that leaves MAX_BACKLOG unread is dropped).
 
 Commands are read between steps by the engine's scheduler thread while it has work (`before_step`), and
 by the host's own thread only while it has none: a command to a busy engine wakes no thread, and its
@@ -181,15 +184,16 @@ class EngineHost:
 
     def _command(self, peer: _Peer, msg: tuple) -> None:
         kind = msg[0]
-        if kind == "submit":
-            _, rid, prompt, params = msg
+        if kind == "submit":  # a request's generations, all or none (they share a step's prefill)
+            jobs = msg[1]
             try:
-                peer.requests[rid] = self.engine.submit(prompt, params, lambda ev: self._event(peer, rid, ev))
+                reqs = self.engine.submit_all([(prompt, params, self._sink(peer, rid)) for rid, prompt, params in jobs])
+                peer.requests.update((rid, req) for (rid, _, _), req in zip(jobs, reqs))
                 refusal = None
             except Exception as e:  # QueueFull, PromptTooLong, ... (REFUSALS); any other is the server's error
                 refusal = (type(e).__name__, str(e))
             with self.lock:
-                peer.outbox.append((rid, ACK, refusal))
+                peer.outbox.append((jobs[0][0], ACK, refusal))
         elif kind == "cancel":
             req = peer.requests.get(msg[1])
             if req is not None:
@@ -201,6 +205,9 @@ class EngineHost:
                      "process_cpu_seconds": time.process_time()}
             with self.lock:
                 peer.outbox.append((msg[1], STATS, stats))
+
+    def _sink(self, peer: _Peer, rid: int):
+        return lambda ev: self._event(peer, rid, ev)
 
     def _event(self, peer: _Peer, rid: int, ev) -> None:  # the engine's sink (its thread, or a cancel's)
         logprob = getattr(ev, "logprob", None)
@@ -267,7 +274,8 @@ def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
     engine = chat_engine(model, tok, gen, max_batch=max_batch, max_queue=max_queue)
     log.info("loaded %s on %s (%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
              time.perf_counter() - t, model.num_params() / 1e6, engine.max_len)
-    info = {"context_len": engine.max_len, "vocab_size": engine.vocab_size, "defaults": gen,
+    info = {"context_len": engine.max_len, "vocab_size": engine.vocab_size, "max_queue": engine.config.max_queue,
+            "defaults": gen,
             "tokenizer": tok.to_str()}  # what a front end needs to render, check and sample: no weights
     return engine, info
 

@@ -123,12 +123,6 @@ class TextStream:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.t0 = time.perf_counter()
 
-    async def submit(self, prompt: list[int], params: SamplingParams) -> "TextStream":
-        self.loop = asyncio.get_running_loop()
-        self.rid = await self.runtime.link.submit(prompt, params, self)  # may raise QueueFull, ...
-        self.runtime.metrics.prompt_tokens.inc(len(prompt))
-        return self
-
     def push(self, ev: tuple, now: float = 0.0) -> None:
         """An event from the link, on the loop (`now`: the loop time its engine step arrived; 0: read the
         clock if needed). Wakes the reader if the stream is due, else the event waits for a later one."""
@@ -357,6 +351,11 @@ class Runtime:
         return self.link.info["context_len"]
 
     @property
+    def max_queue(self) -> int:
+        """Generations the engine queues at once: a request of more can never run."""
+        return self.link.info["max_queue"]
+
+    @property
     def vocab_size(self) -> int:
         """Ids the model takes (its embedding rows; may exceed the tokenizer's)."""
         return self.link.info["vocab_size"]
@@ -374,10 +373,25 @@ class Runtime:
                  **extras) -> SamplingParams:
         return sampling_params(self.defaults, temperature, top_k, top_p, max_tokens, seed, **extras)
 
+    async def open_streams(self, jobs: list[tuple[list[int], SamplingParams]], stop: list[str] | None = None,
+                           chat: bool = True) -> list[TextStream]:
+        """Submit every (prompt ids, settings) job now, all or none (raises QueueFull / PromptTooLong /
+        EngineStopped / ValueError): they share a wake-up (`merged` reads them together) and the engine
+        queues them together (they share a step's prefill)."""
+        wake, loop = Wake(), asyncio.get_running_loop()
+        streams = [TextStream(self, len(prompt), stop or [], chat, wake) for prompt, _ in jobs]
+        for s in streams:
+            s.loop = loop
+        rids = await self.link.submit([(prompt, params, s) for (prompt, params), s in zip(jobs, streams)])
+        for s, rid in zip(streams, rids):
+            s.rid = rid
+        self.metrics.prompt_tokens.inc(sum(len(prompt) for prompt, _ in jobs))
+        return streams
+
     async def open_stream(self, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
-                          chat: bool = True, wake: Wake | None = None) -> TextStream:
-        """Submit now (raises QueueFull / PromptTooLong / EngineStopped); iterate the result for text."""
-        return await TextStream(self, len(prompt), stop or [], chat, wake).submit(prompt, params)
+                          chat: bool = True) -> TextStream:
+        """One job's open_streams; iterate the result for text."""
+        return (await self.open_streams([(prompt, params)], stop, chat))[0]
 
     def close(self) -> None:
         self.link.close()

@@ -23,7 +23,7 @@ from model.requests import EngineStopped, PromptTooLong, QueueFull, SamplingPara
 from model.tokenizer import SparkTokenizer
 
 from .errors import APIError, error_body
-from .runtime import Runtime, TextStream, Wake, merged
+from .runtime import Runtime, TextStream, merged
 from .sse import Last
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
@@ -120,29 +120,21 @@ def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | No
 
 async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingParams]], stop: list[str],
                        prompt_param: str = "messages", chat: bool = True) -> list[TextStream]:
-    """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors. The
-    streams share one wake-up event (`merged` reads them together)."""
-    streams: list[TextStream] = []
-    wake = Wake()
+    """Submit every (prompt ids, settings) job, all or none: engine refusals become HTTP errors."""
+    if len(jobs) > runtime.max_queue:  # (the engine would refuse it as a full queue, however idle)
+        raise APIError(400, f"This request asks for {len(jobs)} generations (its prompts times n); this server "
+                            f"queues at most {runtime.max_queue} at once", "n")
     try:
-        for prompt, params in jobs:
-            streams.append(await runtime.open_stream(prompt, params, stop, chat, wake))
-    except (QueueFull, EngineStopped) as e:
-        for s in streams:
-            s.cancel()
-        status = 429 if isinstance(e, QueueFull) else 503
-        raise APIError(status, f"The server is busy: {e}. Retry shortly.", None,
-                       "queue_full" if status == 429 else "engine_stopped",
-                       headers={"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None) from None
+        return await runtime.open_streams(jobs, stop, chat)
+    except QueueFull as e:
+        raise APIError(429, f"The server is busy: {e}. Retry shortly.", None, "queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineStopped as e:
+        raise APIError(503, f"The engine stopped: {e}", None, "engine_stopped") from None
     except PromptTooLong as e:
-        for s in streams:
-            s.cancel()
         raise APIError(400, str(e), prompt_param, "context_length_exceeded") from None
     except ValueError as e:  # a value out of range
-        for s in streams:
-            s.cancel()
         raise APIError(400, str(e)) from None
-    return streams
 
 
 async def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:

@@ -291,6 +291,25 @@ def test_cancelling_a_waiting_request_frees_the_queue(engine_factory):
     gate.set()
 
 
+def test_submit_all_is_all_or_none(engine_factory):
+    """A batch of requests the queue cannot hold whole, or with one bad request in it, leaves none of
+    them queued (a request's n choices run together or not at all)."""
+    gate = threading.Event()
+    m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
+    e = engine_factory(m, max_batch=1, max_queue=2)
+    e.submit([1], SamplingParams(temperature=0, max_tokens=2), lambda ev: None)  # takes the row
+    time.sleep(0.05)
+    e.submit([1], SamplingParams(max_tokens=2), lambda ev: None)
+    with pytest.raises(QueueFull):  # two more do not fit the one place left
+        e.submit_all([([1], SamplingParams(max_tokens=2), lambda ev: None)] * 2)
+    assert e.queue_depth == 1
+    with pytest.raises(ValueError):  # the second is bad
+        e.submit_all([([1], SamplingParams(max_tokens=2), lambda ev: None), ([], SamplingParams(), lambda ev: None)])
+    assert e.queue_depth == 1
+    assert len(e.submit_all([([1], SamplingParams(max_tokens=2), lambda ev: None)])) == 1 and e.queue_depth == 2
+    gate.set()
+
+
 def test_a_failing_forward_ends_its_requests_with_an_error(engine_factory):
     """A forward that raises (here every prompt's first chunk, or a decode step) ends the requests in it
     with Finished('error') naming the exception, never leaves one waiting for ever, and the engine

@@ -257,6 +257,34 @@ def test_401_with_api_key(serve_start, serve_model_dir):
     assert httpx.get(s.url + "/health").status_code == 200  # health and metrics stay open
 
 
+def test_a_request_larger_than_the_queue_is_a_400(tight_server):
+    """Two choices on a server that queues one: no wait would let it run, so a 400 naming the limit
+    (a request's generations are queued together; this was a 429 however often the client retried)."""
+    c = openai.OpenAI(base_url=tight_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(c, n=2, max_tokens=2)
+    err = error_of(e)
+    assert err["param"] == "n" and "2 generations" in err["message"] and "at most 1 at once" in err["message"]
+    assert chat(c, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_requests_choices_reach_the_engine_together(serve_start, serve_model_dir):
+    """n=3: the engine gets the three in one submission (all queued, or none), so on an idle engine
+    they are prefilled in the same step."""
+    settings = Settings(model_dir=serve_model_dir, max_batch=4, max_queue=8, ui=False)
+    s = serve_start(create_app(settings, loader=lambda metrics: Runtime.in_process(
+        serve_model_dir, metrics, "cpu", settings.max_batch, settings.max_queue)))
+    engine = s.app.state.runtime.engine
+    calls, submit_all = [], engine.submit_all
+    engine.submit_all = lambda requests: (calls.append(len(requests)), submit_all(requests))[1]
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        r = chat(c, n=3, max_tokens=4, seed=1)
+    finally:
+        del engine.submit_all
+    assert calls == [3] and len(r.choices) == 3
+
+
 def test_429_queue_full_and_cancel_frees_slot(tight_server):
     """One row, one queue place: a third request is refused; cancelling the first lets the second run."""
     c = openai.OpenAI(base_url=tight_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
