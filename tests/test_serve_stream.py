@@ -309,3 +309,45 @@ def test_the_last_event_goes_out_with_the_end_of_the_body():
         ("http.response.body", b"data: 1\n\n", True), ("http.response.body", b"data: 2\n\ndata: [DONE]\n\n", False)]
     assert asyncio.run(main(["data: 1\n\n"])) == [("http.response.body", b"data: 1\n\n", True),
                                                   ("http.response.body", b"", False)]
+
+
+def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, monkeypatch):
+    """A front end that reads nothing while its requests' events pile up past MAX_BACKLOG (made small
+    here, with small socket buffers): the engine drops it (its requests cancelled) without ever waiting on
+    it, and serves the next front end."""
+    import multiprocessing
+    import socket
+
+    from model.requests import SamplingParams
+    from serve import engine_proc
+    monkeypatch.setattr(engine_proc, "MAX_BACKLOG", 8 * 1024)
+    engine, info = engine_proc.load_engine(serve_model_dir, "cpu", 4, 8)
+    host = engine_proc.EngineHost(engine, info)
+    try:
+        ours, theirs = multiprocessing.Pipe()
+        host.add(theirs)
+        ours.recv()  # the hello; nothing after it is read
+        for conn, opt in ((theirs, socket.SO_SNDBUF), (ours, socket.SO_RCVBUF)):
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:  # (the same socket)
+                s.setsockopt(socket.SOL_SOCKET, opt, 4096)
+        many = SamplingParams(temperature=1.0, max_tokens=100, logprobs=20)
+        ours.send(("submit", [(rid, [1, 2, 3], many) for rid in range(8)]))
+        deadline = time.time() + 30
+        while host.peers and time.time() < deadline:
+            time.sleep(0.05)
+        assert not host.peers, "the front end that read nothing was not dropped"
+        while (engine.num_active or engine.queue_depth) and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.num_active == 0 and engine.queue_depth == 0  # its requests were cancelled
+
+        ours2, theirs2 = multiprocessing.Pipe()
+        host.add(theirs2)
+        assert ours2.recv()[0] == "hello"
+        ours2.send(("submit", [(0, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=5))]))
+        events = []
+        while not any(e[1] == FINISH for e in events):
+            assert ours2.poll(30), "the next front end got no events"
+            events += ours2.recv()[1]
+        assert sum(1 for e in events if e[1] >= 0) == next(e for e in events if e[1] == FINISH)[3]
+    finally:
+        engine.shutdown()
