@@ -80,16 +80,19 @@ class _Logprobs:
         b = self.tok.token_bytes(i)
         return serving.token_str(b), b
 
-    def part(self, entries: list[tuple[int, float | None, list | None]]) -> CompletionLogprobs:
-        """entries: (id, logprob, top (id, logprob) pairs), None for a prompt's first id."""
+    def part(self, entries: list[tuple[int, float | None, list | None]], generated: bool = False) -> CompletionLogprobs:
+        """entries: (id, logprob, top (id, logprob) pairs), None for a prompt's first id. `generated`: the
+        reply's ids, whose text leaves special ids out (an echoed prompt's text shows their names)."""
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        special = self.tok.special_ids if generated else ()
         for i, lp, top in entries:
             text, b = self._token(i)
             out.tokens.append(text)
             out.token_logprobs.append(lp)
             out.top_logprobs.append(None if top is None else {self._token(j)[0]: v for j, v in top})
             out.text_offset.append(self.offset)
-            self.offset += len(self.utf8.decode(b))
+            if i not in special:
+                self.offset += len(self.utf8.decode(b))
         return out
 
     def prompt(self, p: Prompt, s: TextStream) -> CompletionLogprobs:
@@ -101,7 +104,7 @@ class _Logprobs:
         return self.part(entries[p.hidden:])
 
     def tokens(self, tokens: list[Token]) -> CompletionLogprobs:
-        return self.part([(t.id, t.logprob, t.top) for t in tokens])
+        return self.part([(t.id, t.logprob, t.top) for t in tokens], generated=True)
 
 
 def _merge(parts: list[CompletionLogprobs]) -> CompletionLogprobs:

@@ -72,6 +72,16 @@ def test_echo_logprobs_equal_a_direct_forward(client, serve_model, serve_tokeniz
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+def test_text_offsets_skip_the_special_ids_the_text_leaves_out(client, serve_tokenizer):
+    """A reply of special ids (forced by logit_bias) shows no text: each token's text_offset stays at the
+    end of the text before it (they counted the special token's name, which the text leaves out)."""
+    user = serve_tokenizer.special["<|user_start|>"]
+    c = complete(client, prompt=TEXT, max_tokens=3, echo=True, logprobs=1, logit_bias={str(user): 100}).choices[0]
+    lp = c.logprobs
+    assert c.text == TEXT and lp.tokens[-3:] == ["<|user_start|>"] * 3
+    assert lp.text_offset[-3:] == [len(TEXT)] * 3
+
+
 def test_token_id_prompts_as_lm_eval_sends_them(client, serve_model):
     """A batch of token-id prompts with echo, logprobs 1 and one greedy token: choice k*n + j is prompt
     k's j-th; the first prompt id has no logprob; the last entry is the generated token."""
