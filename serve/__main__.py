@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"require this bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="sequences decoded together (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=MAX_QUEUE, help="requests that may wait (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help="generations (a request's prompts times n) that may wait for a row; a request of more "
+                        "is a 400 (default: %(default)s)")
     p.add_argument("--api-servers", type=_at_least(1, int), default=API_SERVERS,
                    help="front-end processes (HTTP, prompts, SSE), each on a core of its own beside the engine's "
                         "process (default: %(default)s)")
