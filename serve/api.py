@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sparkchat import paths
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL, completions, errors, responses, serving
-from .errors import APIError
+from .errors import APIError, engine_stopped
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
@@ -104,7 +104,7 @@ def get_runtime(request: Request) -> Runtime:
         raise APIError(503, f"The model failed to load: {error}" if error else "The model is still loading",
                        code="model_not_loaded")
     if runtime.link.dead:
-        raise APIError(503, f"The engine stopped: {runtime.link.dead}", code="engine_stopped")
+        raise engine_stopped(runtime.link.dead)
     return runtime
 
 

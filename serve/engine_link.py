@@ -147,7 +147,7 @@ class EngineLink:
     def _send(self, msg) -> None:  # on the loop
         if self.dead is not None:
             raise EngineStopped(self.dead)
-        self.channel.transport.write(frame(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)))
+        self.channel.transport.write(frame(msg))
 
     async def _ask(self, key: int, msg) -> object:
         fut = self.loop.create_future()

@@ -64,9 +64,11 @@ def send(conn: Connection, msg) -> None:
     conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
 
-def frame(payload: bytes) -> bytes:
-    """`payload` as Connection.send_bytes puts it on the wire (what Connection.recv_bytes reads): its
-    length in 4 big-endian bytes, or -1 and the length in 8 when it does not fit 31 bits."""
+def frame(msg) -> bytes:
+    """`msg` as `send` puts it on the wire, for a writer that is not the Connection (what Connection.recv
+    reads): its plain pickle, after its length in 4 big-endian bytes, or -1 and the length in 8 when it
+    does not fit 31 bits."""
+    payload = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
     n = len(payload)
     head = n.to_bytes(4, "big") if n < 2 ** 31 else (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big")
     return head + payload
@@ -235,7 +237,7 @@ class EngineHost:
         """Send without waiting: what the socket cannot take now waits in the peer's backlog, sent first
         at the next flush (or by the host's thread when the engine is idle)."""
         if peer.open:
-            peer.backlog += frame(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+            peer.backlog += frame(msg)
             self._drain(peer)
 
     def _drain(self, peer: _Peer) -> None:  # under self.lock

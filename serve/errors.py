@@ -28,6 +28,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def engine_stopped(why: str) -> APIError:
+    """The 503 of a request that finds the engine gone (its channel ended)."""
+    return APIError(503, f"The engine stopped: {why}", code="engine_stopped")
+
+
 def _printable(text: str | None) -> str | None:
     """Text that can be written as UTF-8: a lone surrogate the client sent (and an error quotes) as its
     escape, so the error itself never fails to encode."""

@@ -22,7 +22,7 @@ from model.chat import ChatFormatError, content_text, display_words
 from model.requests import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
-from .errors import APIError, error_body
+from .errors import APIError, engine_stopped, error_body
 from .runtime import Runtime, TextStream, merged
 from .sse import Last
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
@@ -130,7 +130,7 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
         raise APIError(429, f"The server is busy: {e}. Retry shortly.", None, "queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except EngineStopped as e:
-        raise APIError(503, f"The engine stopped: {e}", None, "engine_stopped") from None
+        raise engine_stopped(str(e)) from None
     except PromptTooLong as e:
         raise APIError(400, str(e), prompt_param, "context_length_exceeded") from None
     except ValueError as e:  # a value out of range
