@@ -7,7 +7,8 @@ Each process has its own GIL: the engine's scheduler thread is not slowed by HTT
 detokenizing or SSE framing, and N front ends use N cores for them. Faults (docs/serving.md, "Faults"):
 the engine process gone ends the server with exit code 1 within seconds (nothing can serve without it;
 a process manager restarts the whole); a front end gone loses only its own connections and is started
-again. Every child leaves when this process does (serve.engine_proc watches its parent).
+again, at once the first time; one that keeps failing at its start backs off, then ends the server.
+Every child leaves when this process does (serve.engine_proc watches its parent).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from multiprocessing.connection import wait
 
 from .metrics import MULTIPROC_ENV
@@ -28,6 +30,11 @@ log = logging.getLogger("sparkchat.serve")
 
 
 LEAVE_AFTER_S = 1.0  # a front end whose channel to the engine ended exits this much later
+# A front end that exits within QUICK_EXIT_S of its start is failing, not hit by a fault once (a process
+# manager's start limit does the same): each such exit in a row waits twice as long before the restart
+# (0, 1, 2, 4 s), and the QUICK_EXITS-th stops the server with code 1 instead of restarting it forever.
+QUICK_EXIT_S = 30.0
+QUICK_EXITS = 5
 
 
 def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
@@ -69,21 +76,36 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     frontends = [start(i) for i in range(api_servers)]
+    started = [time.monotonic()] * api_servers
+    quick = [0] * api_servers  # exits in a row within QUICK_EXIT_S of the start
+    restart_at: list[float | None] = [None] * api_servers  # when a front end that exited starts again
     code = 0
     try:
         while not stop.is_set():
-            wait([engine.process.sentinel] + [p.sentinel for p in frontends], timeout=0.2)
+            wait([engine.process.sentinel] + [p.sentinel for p in frontends if p.is_alive()], timeout=0.2)
             if stop.is_set():
                 break
             if not engine.process.is_alive():
                 log.error("the engine process exited (code %s): stopping the server", engine.process.exitcode)
                 code = 1
                 break
+            now = time.monotonic()
             for i, p in enumerate(frontends):
-                if not p.is_alive() and not stop.is_set():
-                    log.warning("front end %d exited (code %s): its connections are lost; starting it again",
-                                i, p.exitcode)
-                    frontends[i] = start(i)
+                if restart_at[i] is None and not p.is_alive():
+                    quick[i] = quick[i] + 1 if now - started[i] < QUICK_EXIT_S else 0
+                    if quick[i] >= QUICK_EXITS:
+                        log.error("front end %d exited %d times in a row within %.0f s of its start (last code %s; "
+                                  "its log above says why): stopping the server", i, quick[i], QUICK_EXIT_S,
+                                  p.exitcode)
+                        stop.set()
+                        code = 1
+                        break
+                    delay = 2.0 ** (quick[i] - 2) if quick[i] >= 2 else 0.0
+                    log.warning("front end %d exited (code %s): its connections are lost; starting it again%s",
+                                i, p.exitcode, f" in {delay:.0f} s" if delay else "")
+                    restart_at[i] = now + delay
+                if restart_at[i] is not None and now >= restart_at[i] and not stop.is_set():
+                    frontends[i], started[i], restart_at[i] = start(i), now, None
     finally:
         for p in frontends:
             if p.is_alive():

@@ -4,7 +4,8 @@ Four 1 MB prompts arriving while a stream runs: the stream keeps getting tokens 
 messages larger than a socket buffer arrive whole; a front end that stops reading stalls no one else.
 The engine process killed: /health fails and the server exits with code 1, never hangs, and an open
 stream ends. A front-end process killed: only its own connections end; a stream on the other front end
-goes on to its last token, and the killed one is started again.
+goes on to its last token, and the killed one is started again. A front end that fails at every start
+ends the server after a few tries, waiting longer each time.
 """
 from __future__ import annotations
 
@@ -223,6 +224,28 @@ def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banne
         for s in streams:
             s.close()
         assert server.stop() == 0
+
+
+def test_a_front_end_failing_at_its_start_ends_the_server(long_model_dir):
+    """A front end that exits at its start every time (here: a setting its app does not know) is started
+    again at once, then after 1, 2 and 4 s; the fifth such exit stops the server with code 1 and says
+    why, instead of restarting it forever."""
+    from serve.supervisor import QUICK_EXITS
+    script = ("import logging, socket, sys\n"
+              "from serve.supervisor import run\n"
+              "logging.basicConfig(level=logging.INFO)\n"
+              "sock = socket.socket()\n"
+              "sock.bind(('127.0.0.1', 0))\n"
+              f"sys.exit(run(dict(model_dir={str(long_model_dir)!r}, device='cpu', max_batch=2, max_queue=4, "
+              "no_such_setting=1), sock, 1))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert r.stderr.count("unexpected keyword argument 'no_such_setting'") == QUICK_EXITS
+    assert "starting it again in 1 s" in r.stderr and "starting it again in 4 s" in r.stderr
+    assert f"front end 0 exited {QUICK_EXITS} times in a row" in r.stderr
+    assert time.monotonic() - t0 >= 1 + 2 + 4  # it waited between the tries
 
 
 def test_four_1mb_prompts_do_not_stall_a_running_stream(long_model_dir, banned):
