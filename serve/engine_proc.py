@@ -58,16 +58,11 @@ REFUSALS = ("QueueFull", "PromptTooLong", "EngineStopped", "ValueError")  # subm
 READABLE = select.POLLIN | select.POLLHUP | select.POLLERR  # a command, or the connection's end
 
 
-def send(conn: Connection, msg) -> None:
-    """`conn.send(msg)`, read by `conn.recv()` as ever, with plain pickle: Connection.send's pickler
-    copies its table of reducers (torch registers dozens) for every message."""
-    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
-
-
 def frame(msg) -> bytes:
-    """`msg` as `send` puts it on the wire, for a writer that is not the Connection (what Connection.recv
-    reads): its plain pickle, after its length in 4 big-endian bytes, or -1 and the length in 8 when it
-    does not fit 31 bits."""
+    """`msg` as Connection.send puts it on the wire (what Connection.recv reads), for a writer that is not
+    the Connection: its pickle, after its length in 4 big-endian bytes, or -1 and the length in 8 when it
+    does not fit 31 bits. Plain pickle: Connection.send's pickler copies its table of reducers (torch
+    registers dozens) for every message."""
     payload = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
     n = len(payload)
     head = n.to_bytes(4, "big") if n < 2 ** 31 else (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big")
@@ -314,7 +309,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     while True:
         conn = listener.accept()
         if host is None:
-            send(conn, ("hello", None, error))
+            conn.send(("hello", None, error))  # (once a connection: Connection.send's pickler will do)
             continue
         host.add(conn)
 
