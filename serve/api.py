@@ -66,6 +66,10 @@ class Settings:
     """The Unix socket of a running engine process to use (`sparkchat serve` passes its own); None:
     start one for this app."""
     engine_authkey: bytes | None = None
+    serve_while_loading: bool = True
+    """Take connections while the engine loads (answering 503, /health "loading"); False: take none until
+    it has, as `sparkchat serve` starts every front end but its first, and any it starts again: the kernel
+    then never hands a connection to a front end that cannot serve it while another can."""
 
     def __post_init__(self):
         self.model_dir = Path(self.model_dir)
@@ -229,6 +233,8 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         thread = _load_in_background(app, load)
+        if not settings.serve_while_loading:  # uvicorn takes no connection until this start returns
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
         try:
             yield
         finally:

@@ -67,15 +67,18 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
     frontend = {**settings, "engine_address": engine.address, "engine_authkey": engine.authkey}
     ctx = multiprocessing.get_context("spawn")
 
-    def start(i: int):
-        p = ctx.Process(target=frontend_main, args=(frontend, sock, log_level), name=f"sparkchat-frontend-{i}")
+    def start(i: int, first: bool = False):
+        # only the first front end answers "loading" while the engine loads; the others, and any started
+        # again, join once they reach it (serve.api.Settings.serve_while_loading)
+        p = ctx.Process(target=frontend_main, args=({**frontend, "serve_while_loading": first}, sock, log_level),
+                        name=f"sparkchat-frontend-{i}")
         p.start()
         return p
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    frontends = [start(i) for i in range(api_servers)]
+    frontends = [start(i, first=i == 0) for i in range(api_servers)]
     started = [time.monotonic()] * api_servers
     quick = [0] * api_servers  # exits in a row within QUICK_EXIT_S of the start
     restart_at: list[float | None] = [None] * api_servers  # when a front end that exited starts again

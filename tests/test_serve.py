@@ -348,6 +348,30 @@ def test_health_503_until_loaded(serve_start, serve_model_dir):
     s.wait_healthy(30)
 
 
+def test_a_front_end_that_waits_takes_no_connection_until_loaded(serve_start, serve_model_dir):
+    """serve_while_loading=False (`sparkchat serve`'s other front ends, and one started again): a request
+    that comes while the engine loads waits in the socket's backlog and is answered once it has, where a
+    front end that serves while loading would answer 503 though another could serve it."""
+    release = threading.Event()
+
+    def loader(metrics):
+        release.wait(30)
+        return Runtime.in_process(serve_model_dir, metrics, "cpu")
+
+    s = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False, serve_while_loading=False),
+                               loader=loader), wait=False)
+    s.sock.listen()  # as `sparkchat serve`'s socket, listening since its first front end served
+    got = {}
+    asked = threading.Thread(target=lambda: got.update(r=httpx.post(
+        s.url + "/v1/chat/completions", json={"model": "sparkchat", "messages": HI, "max_tokens": 2}, timeout=60)))
+    asked.start()
+    asked.join(1.0)
+    assert asked.is_alive(), got["r"].text  # no answer while loading
+    release.set()
+    asked.join(60)
+    assert got["r"].status_code == 200
+
+
 def test_bad_model_dir_reports_on_health(serve_start, tmp_path):
     s = serve_start(create_app(Settings(model_dir=tmp_path, ui=False)), wait=False)
     deadline = time.time() + 30

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,9 +57,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self.log = tempfile.TemporaryFile()  # printed by stop(): pytest shows it when the test fails
         self.proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(model_dir), "--port",
                                       str(self.port), "--device", "cpu", *flags], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
@@ -116,7 +118,10 @@ class Server:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
+        code = self.proc.wait(30)
+        self.log.seek(0)
+        print(self.log.read().decode(errors="replace")[-6000:])
+        return code
 
 
 class Stream:
@@ -142,6 +147,8 @@ class Stream:
             line = self.file.readline()
             if not line:
                 raise ConnectionResetError("the server closed the connection")
+            if line.startswith(b"HTTP/") and line.split()[1] != b"200":  # (a refusal is not a dropped stream)
+                raise AssertionError(f"the stream was refused: {line.decode().strip()}")
             if line.startswith(b"data: [DONE]"):
                 self.done = True
             elif line.startswith(b"data: "):
