@@ -257,13 +257,22 @@ def test_forced_ids_carry_their_own_logprob(engine_factory):
     assert toks[3].top[0][0] == 3 and toks[4].top[0][0] == 4  # what the model wanted instead
 
 
+def taken(e, timeout: float = 30) -> None:
+    """Until the scheduler has taken every waiting request into a row (a fixed sleep is too short on a
+    loaded machine)."""
+    deadline = time.time() + timeout
+    while e.queue_depth and time.time() < deadline:
+        time.sleep(0.005)
+    assert e.queue_depth == 0
+
+
 def test_queue_full_and_cancel_frees_the_row(engine_factory):
     gate = threading.Event()
     m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
     e = engine_factory(m, max_batch=1, max_queue=1)
     events = {0: [], 1: []}
     first = e.submit([1], SamplingParams(temperature=0, max_tokens=1000), events[0].append)
-    time.sleep(0.1)  # the first request is being prefilled (blocked in the gate)
+    taken(e)  # the first request is being prefilled (blocked in the gate)
     e.submit([1], SamplingParams(temperature=0, max_tokens=3), events[1].append)
     with pytest.raises(QueueFull):
         e.submit([1], SamplingParams(max_tokens=3), lambda ev: None)
@@ -283,7 +292,7 @@ def test_cancelling_a_waiting_request_frees_the_queue(engine_factory):
     m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
     e = engine_factory(m, max_batch=1, max_queue=1)
     e.submit([1], SamplingParams(temperature=0, max_tokens=2), lambda ev: None)
-    time.sleep(0.05)
+    taken(e)
     waiting = e.submit([1], SamplingParams(max_tokens=2), lambda ev: None)
     e.cancel(waiting)
     assert e.queue_depth == 0
@@ -298,7 +307,7 @@ def test_submit_all_is_all_or_none(engine_factory):
     m = ScriptModel({i: i + 1 for i in range(30)}, gate=gate)
     e = engine_factory(m, max_batch=1, max_queue=2)
     e.submit([1], SamplingParams(temperature=0, max_tokens=2), lambda ev: None)  # takes the row
-    time.sleep(0.05)
+    taken(e)
     e.submit([1], SamplingParams(max_tokens=2), lambda ev: None)
     with pytest.raises(QueueFull):  # two more do not fit the one place left
         e.submit_all([([1], SamplingParams(max_tokens=2), lambda ev: None)] * 2)
