@@ -43,6 +43,7 @@ import socket
 import tempfile
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
@@ -307,11 +308,15 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
         log.exception("loading the model failed")
         host, error = None, f"{type(e).__name__}: {e}"
     while True:
-        conn = listener.accept()
-        if host is None:
-            conn.send(("hello", None, error))  # (once a connection: Connection.send's pickler will do)
-            continue
-        host.add(conn)
+        try:  # the handshake: a front end that died while queued here, or a wrong key, fails only itself
+            conn = listener.accept()
+            if host is None:
+                conn.send(("hello", None, error))  # (once a connection: Connection.send's pickler will do)
+                continue
+            host.add(conn)
+        except (OSError, EOFError, AuthenticationError) as e:
+            log.warning("a front end's connection failed at its start (%s: %s): it is not served",
+                        type(e).__name__, e)
 
 
 class EngineProcess:

@@ -94,13 +94,14 @@ class Server:
                 pass
         raise LookupError(inode)
 
-    def engine_pid(self) -> int:
-        """The child listening on an engine's Unix socket (other servers' engines may listen too)."""
+    def engine(self) -> tuple[int, str]:
+        """The child listening on an engine's Unix socket (other servers' engines may listen too), and
+        that socket's path."""
         for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
             f = line.split()
             if len(f) >= 8 and f[7].endswith("engine.sock") and int(f[3], 16) & 0x10000:  # __SO_ACCEPTCON
                 try:
-                    return self.holder(int(f[6]))
+                    return self.holder(int(f[6])), f[7]
                 except LookupError:
                     continue
         raise LookupError("no engine socket")
@@ -171,7 +172,7 @@ def test_a_killed_engine_ends_the_server(long_model_dir, banned):
         server.wait_healthy()
         stream = Stream(server.port, banned)
         stream.read(3)
-        os.kill(server.engine_pid(), signal.SIGKILL)
+        os.kill(server.engine()[0], signal.SIGKILL)
         try:  # the stream ends, with the error event, or the front end going down with the server: no hang
             stream.read()
         except OSError:
@@ -182,6 +183,27 @@ def test_a_killed_engine_ends_the_server(long_model_dir, banned):
             httpx.get(server.url + "/health", timeout=5)
     finally:
         server.stop()
+
+
+def test_a_connection_failing_its_handshake_leaves_the_engine_serving(long_model_dir):
+    """A connection to the engine's socket that closes at once (a front end killed while it waited for
+    the load) or brings the wrong key fails alone: the engine goes on serving, the server stays up."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+    server = Server(long_model_dir, "--api-servers", "1", "--no-ui")
+    try:
+        server.wait_healthy()
+        address = server.engine()[1]
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(address)
+        with pytest.raises((AuthenticationError, EOFError, OSError)):
+            Client(address, "AF_UNIX", authkey=b"not the key").close()
+        time.sleep(2)  # (the engine has met both by now: its accept loop had nothing else to do)
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "sparkchat", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and server.proc.poll() is None
+    finally:
+        assert server.stop() == 0
 
 
 def one_on_each(server: Server, banned: list[int], streams: list[Stream], **extra) -> dict[int, Stream]:
