@@ -35,6 +35,7 @@ LEAVE_AFTER_S = 1.0  # a front end whose channel to the engine ended exits this 
 # (0, 1, 2, 4 s), and the QUICK_EXITS-th stops the server with code 1 instead of restarting it forever.
 QUICK_EXIT_S = 30.0
 QUICK_EXITS = 5
+STOP_S = 10.0  # on SIGINT/SIGTERM the front ends have this long, together, to finish their streams
 
 
 def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
@@ -110,11 +111,13 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
                 if restart_at[i] is not None and now >= restart_at[i] and not stop.is_set():
                     frontends[i], started[i], restart_at[i] = start(i), now, None
     finally:
+        sock.close()  # once each front end has closed its copy too, a new connection is refused, not queued
         for p in frontends:
             if p.is_alive():
-                p.terminate()  # SIGTERM: uvicorn closes its connections and leaves
+                p.terminate()  # SIGTERM: uvicorn stops taking connections, lets its streams end and leaves
+        deadline = time.monotonic() + STOP_S
         for p in frontends:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         engine.stop()

@@ -206,6 +206,30 @@ def test_a_connection_failing_its_handshake_leaves_the_engine_serving(long_model
         assert server.stop() == 0
 
 
+def test_a_stopping_server_refuses_new_connections_while_its_streams_end(long_model_dir, banned):
+    """SIGTERM: the running stream goes on while the server stops, and a new connection is refused at
+    once instead of waiting in a queue that no process takes from any more."""
+    server = Server(long_model_dir, "--api-servers", "1", "--no-ui")
+    try:
+        server.wait_healthy()
+        stream = Stream(server.port, banned)
+        stream.read(2)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline, refused = time.time() + 10, False
+        while not refused and time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+                time.sleep(0.1)
+            except ConnectionRefusedError:
+                refused = True
+        assert refused
+        stream.read(2)  # (still running: what refused the connection was not the server's end)
+        assert not stream.done
+        stream.close()
+    finally:
+        assert server.stop() == 0
+
+
 def one_on_each(server: Server, banned: list[int], streams: list[Stream], **extra) -> dict[int, Stream]:
     """Streams until both front ends hold one (the kernel picks who accepts): {front end's pid: stream}.
     Every stream opened goes into `streams` (to close at the end)."""
