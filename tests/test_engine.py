@@ -280,8 +280,8 @@ def test_queue_full_and_cancel_frees_the_row(engine_factory):
     e.cancel(first)
     gate.set()
     deadline = time.time() + 10
-    while not (events[1] and isinstance(events[1][-1], Finished)) and time.time() < deadline:
-        time.sleep(0.01)
+    while not (events[1] and isinstance(events[1][-1], Finished) and e.num_active == 0) and time.time() < deadline:
+        time.sleep(0.01)  # (a finished request's sink hears it before its row is freed)
     assert isinstance(events[0][-1], Finished) and events[0][-1].reason == "cancelled"
     assert [ev.id for ev in events[1][:-1]] == [2, 3, 4] and events[1][-1].reason == "length"
     assert e.num_active == 0 and e.queue_depth == 0

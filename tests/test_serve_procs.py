@@ -265,7 +265,7 @@ def test_a_killed_front_end_loses_only_its_own_connections(long_model_dir, banne
         assert [e["choices"][0]["finish_reason"] for e in kept.events if e["choices"]][-1] == "length"
         assert server.proc.poll() is None  # the server lives on, and the lost front end comes back
         deadline = time.time() + 120
-        while killed in server.children() or len(server.children()) < 4 and time.time() < deadline:
+        while (killed in server.children() or len(server.children()) < 4) and time.time() < deadline:
             time.sleep(0.2)  # engine, two front ends, multiprocessing's resource tracker
         server.wait_healthy()
         for _ in range(6):  # whichever front end takes them

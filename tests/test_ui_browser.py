@@ -88,6 +88,8 @@ def test_chat_page_streams_a_reply(ui_server):
 
             # a second message, stopped mid-reply: the engine row is freed at once
             engine = ui_server.app.state.runtime.engine
+            # 0.3 s a token: the reply's 16 tokens last about 5 s, for the click to land in on a busy machine
+            delay, engine.model.delay = engine.model.delay, 0.3
             page.get_by_label("Clear").first.click()  # the tiny model's context holds one exchange
             box.fill("Tell me more.")
             box.press("Enter")
@@ -108,6 +110,7 @@ def test_chat_page_streams_a_reply(ui_server):
                 stopped_in = 5 - (deadline - time.time())
             finally:
                 del engine.cancel
+                engine.model.delay = delay
         finally:
             browser.close()
     assert final.strip(), "no reply appeared"
