@@ -59,7 +59,12 @@ def main(argv=None):
         probe = dataclasses.replace(probe, **overrides)  # checked again, flags included
     except ConfigError as e:
         raise SystemExit(f"probe: {e}") from None
-    out = run_probe(probe, tokens=a.tokens, device=a.device, compile=not a.no_compile, out_dir=a.out)
+    from model.device import resolve_device
+    try:
+        device = resolve_device(a.device)
+    except ValueError as e:
+        raise SystemExit(f"probe: --device {e}; leave --device out to use what there is") from None
+    out = run_probe(probe, tokens=a.tokens, device=device, compile=not a.no_compile, out_dir=a.out)
     print(to_markdown(out))
 
 

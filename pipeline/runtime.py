@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from model.device import resolve_device as _device
+
 # what each external launcher calls a process's global rank, the job's size and the rank on its machine
 LAUNCHERS = {
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -39,12 +41,10 @@ def log(msg: str) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"runtime.device={name} but torch sees no CUDA GPU (torch {torch.__version__}); "
-                         f"set runtime.device=cpu or auto")
-    return torch.device(name)
+    try:
+        return _device(name)
+    except ValueError as e:
+        raise SystemExit(f"runtime.device: {e}; set runtime.device=cpu or auto") from None
 
 
 def external_launcher(env=os.environ) -> str | None:

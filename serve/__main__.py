@@ -112,6 +112,11 @@ def main(argv=None) -> None:
         verify_model_dir(args.model)
     except ModelDirError as e:
         raise SystemExit(f"sparkchat serve: {e}") from None
+    from model.device import resolve_device
+    try:  # a device this machine lacks stops here too, not in the engine's load after the port opened
+        resolve_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"sparkchat serve: --device {e}; leave --device out to use what there is") from None
     from .supervisor import run
     settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
                     max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval,

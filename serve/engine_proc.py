@@ -40,6 +40,7 @@ import secrets
 import select
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -50,6 +51,7 @@ from pathlib import Path
 import torch
 
 from model.chat_engine import chat_engine
+from model.device import resolve_device
 from model.model_dir import load_model_dir
 
 log = logging.getLogger("sparkchat.serve")
@@ -257,15 +259,9 @@ class EngineHost:
             peer.sock.shutdown(socket.SHUT_RDWR)
 
 
-def pick_device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
     """(a started chat engine over the model directory, its hello info)."""
-    dev = pick_device(device)
+    dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     t = time.perf_counter()
     model, tok, gen = load_model_dir(model_dir, dev, dtype)
@@ -294,9 +290,11 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, address: str, authkey: bytes) -> None:
+def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, address: str, authkey: bytes,
+         exit_on_failed_load: bool = False) -> None:
     """The engine process: listen at `address` at once, load the model, then serve every front end that
-    connects. A load that fails is said to every front end instead."""
+    connects. A load that fails is said to every front end instead, or with `exit_on_failed_load` ends
+    this process with code 1 (`sparkchat serve`: a server that can never answer stops, saying why)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
     threading.Thread(target=_exit_with_parent, daemon=True).start()
@@ -306,6 +304,8 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
         freeze_heap()
     except Exception as e:
         log.exception("loading the model failed")
+        if exit_on_failed_load:
+            sys.exit(1)
         host, error = None, f"{type(e).__name__}: {e}"
     while True:
         try:  # the handshake: a front end that died while queued here, or a wrong key, fails only itself
@@ -323,18 +323,23 @@ class EngineProcess:
     """An engine process started from here (multiprocessing, 'spawn': a fresh interpreter, no copy of
     this one's threads), and where front ends connect to it (`address`, `authkey`)."""
 
-    def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int):
+    def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int,
+                 exit_on_failed_load: bool = False):
         self.dir = tempfile.mkdtemp(prefix="sparkchat-")
         self.address, self.authkey = str(Path(self.dir) / "engine.sock"), secrets.token_bytes(16)
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=main, name="sparkchat-engine", daemon=True,
-                                   args=(str(model_dir), device, max_batch, max_queue, self.address, self.authkey))
+                                   args=(str(model_dir), device, max_batch, max_queue, self.address, self.authkey,
+                                         exit_on_failed_load))
         self.process.start()
 
     def stop(self) -> None:
         if self.process.is_alive():
             self.process.terminate()
         self.process.join(10)
+        if self.process.is_alive():  # stuck (in a CUDA call, say): SIGTERM did not end it
+            self.process.kill()
+            self.process.join()
         for f in Path(self.dir).glob("*"):
             f.unlink()
         os.rmdir(self.dir)

@@ -64,7 +64,8 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
     from .engine_proc import EngineProcess
     metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
-    engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"])
+    engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"],
+                           exit_on_failed_load=True)
     frontend = {**settings, "engine_address": engine.address, "engine_authkey": engine.authkey}
     ctx = multiprocessing.get_context("spawn")
 
@@ -90,7 +91,8 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
             if stop.is_set():
                 break
             if not engine.process.is_alive():
-                log.error("the engine process exited (code %s): stopping the server", engine.process.exitcode)
+                log.error("the engine process exited (code %s; its log above says why): stopping the server",
+                          engine.process.exitcode)
                 code = 1
                 break
             now = time.monotonic()

@@ -55,10 +55,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdin.reconfigure(errors="surrogateescape")
 
     from model.chat_engine import chat_engine, sampling_params
+    from model.device import resolve_device
     from model.model_dir import ModelDirError, load_model_dir
 
     try:
-        model, tok, gen = load_model_dir(args.model, device=args.device)
+        device = resolve_device(args.device)
+    except ValueError as e:
+        ap.error(f"--device {e}; --device cpu runs anywhere")
+    try:
+        model, tok, gen = load_model_dir(args.model, device=device)
         params = sampling_params(gen, temperature=args.temperature, max_tokens=args.max_tokens)
     except (ModelDirError, ValueError) as e:
         ap.error(str(e))

@@ -129,6 +129,21 @@ def test_a_busy_port_is_said_before_the_model_loads(serve_model_dir):
     assert "a port is 0-65535, got 70000" in said
 
 
+@pytest.mark.parametrize("cmd", ["serve", "chat"])
+def test_a_device_this_machine_lacks_is_said_before_the_model_loads(cmd, serve_model_dir):
+    """`--device cuda` on a machine without a GPU, or a misspelt device: one line naming the flag and
+    what is wrong, before any port opens or the model loads (the server used to open its port and
+    answer "failed to load" for ever)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    for device, why in [("cuda", "torch sees no CUDA GPU here"), ("cdua", "'cdua' is not a torch device")]:
+        port = ["--port", "0"] if cmd == "serve" else []
+        said, _ = run_main([cmd, "--model", str(serve_model_dir), "--device", device, *port])
+        assert f"--device '{device}'" in said and why in said and "Traceback" not in said, said
+        assert "exit: 0" not in said and "Started server process" not in said
+
+
 def test_chat_says_a_line_that_is_not_utf8_and_goes_on(serve_model_dir):
     r = subprocess.run([sys.executable, "-m", "sparkchat", "chat", "--model", str(serve_model_dir), "--max-tokens", "3"],
                        input=b"Hello\ncaf\xe9?\nWhat is 2 + 2?\n", capture_output=True, cwd=ROOT, timeout=120)

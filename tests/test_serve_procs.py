@@ -301,6 +301,28 @@ def test_a_front_end_failing_at_its_start_ends_the_server(long_model_dir):
     assert time.monotonic() - t0 >= 1 + 2 + 4  # it waited between the tries
 
 
+def test_a_model_that_fails_to_load_ends_the_server(long_model_dir, tmp_path):
+    """A directory that passes the checks before the port opens but cannot load (here: trusted without
+    checksums, its config wider than its weights): the server says why and exits with code 1, instead of
+    answering "failed to load" for ever."""
+    import shutil
+
+    from model.model_dir import CHECKSUMS, TRUST_ENV
+    bad = tmp_path / "bad_model"
+    shutil.copytree(long_model_dir, bad)
+    (bad / CHECKSUMS).unlink()
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "n_embd": 2 * config["n_embd"]}))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           TRUST_ENV: "1"}
+    r = subprocess.run([sys.executable, "-m", "serve", "--model", str(bad), "--port", str(free_port()),
+                        "--device", "cpu", "--api-servers", "2", "--no-ui"], env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "loading the model failed" in r.stderr and "size mismatch" in r.stderr, r.stderr[-3000:]
+    assert "the engine process exited (code 1" in r.stderr
+
+
 def test_four_1mb_prompts_do_not_stall_a_running_stream(long_model_dir, banned):
     """Four 1 MB prompts arrive while a stream runs: each is refused as too long within a few tenths of a
     second, and the stream's tokens keep coming meanwhile (with them tokenized whole on the front end's

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from model.device import resolve_device
 from model.gpt import GPT, GPTConfig
 from model.optim import build_optimizer
 from model.peak_flops import peak_flops
@@ -200,14 +201,14 @@ class StepClock:
         return self.t[1] - self.t[0], self.t[2] - self.t[0]
 
 
-def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str | None = None, compile: bool = True,
-              layer_filter: LayerFilter | None = None, lrs: tuple = (0.02, 0.2, 0.004), out_dir: str | None = None,
-              log=print) -> dict:
+def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str | torch.device | None = None,
+              compile: bool = True, layer_filter: LayerFilter | None = None, lrs: tuple = (0.02, 0.2, 0.004),
+              out_dir: str | None = None, log=print) -> dict:
     """Probe every entry of `settings.backends` (the shape, steps and entries: params.yaml's `probe:`
     section, options.ProbeOptions); returns the probe.json dict (and writes probe.json/probe.md to out_dir)."""
     steps, depth, seq_len, batch, vocab, seed = (settings.steps, settings.depth, settings.seq_len, settings.batch,
                                                  settings.vocab, settings.seed)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     cfg = model_config(depth, seq_len, vocab)
     entries = expand_entries(settings.backends, settings.te_recipes)
     layer_filter = layer_filter or LayerFilter()
