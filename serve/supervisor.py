@@ -48,14 +48,17 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
     from .api import Settings, create_app
     app = create_app(Settings(**settings))
 
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+
     def leave(why: str) -> None:  # on the loop: give the open streams a moment to send their error
+        server.should_exit = True  # and take no new connection meanwhile (the other front ends do)
         asyncio.get_running_loop().call_later(LEAVE_AFTER_S, os._exit, 1)
 
     # the channel ended: if the engine process died, the supervisor is ending the server; if the engine
     # dropped this front end (it had stopped reading), the supervisor starts it again
     app.state.on_engine_lost = leave
     freeze_heap()
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    server.run(sockets=[sock])
 
 
 def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info") -> int:
