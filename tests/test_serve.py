@@ -288,12 +288,22 @@ def test_a_requests_choices_reach_the_engine_together(serve_start, serve_model_d
 def test_429_queue_full_and_cancel_frees_slot(tight_server):
     """One row, one queue place: a third request is refused; cancelling the first lets the second run."""
     c = openai.OpenAI(base_url=tight_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    first = chat(c, max_tokens=100, stream=True)  # 100 steps x 20 ms: ~2 s
-    next(iter(first))  # the role chunk, sent with the first words: it holds its row
     rt = tight_server.app.state.runtime
+    # 100 steps x 60 ms: ~6 s for the second and third requests and the cancel, on a busy machine too
+    step, rt.engine.model.delay = rt.engine.model.delay, 0.06
+    try:
+        queue_full_then_cancel(c, rt)
+    finally:
+        rt.engine.model.delay = step
+
+
+def queue_full_then_cancel(c, rt) -> None:
+    first = chat(c, max_tokens=100, stream=True)
+    next(iter(first))  # the role chunk, sent with the first words: it holds its row
     deadline = time.time() + 10
     while not (rt.engine.num_active == 1 and rt.engine.queue_depth == 0) and time.time() < deadline:
         time.sleep(0.01)  # until it holds the only row (else the second request finds the queue full)
+    assert rt.engine.num_active == 1 and rt.engine.queue_depth == 0
     got, done = {}, threading.Event()
 
     def second():
@@ -304,6 +314,7 @@ def test_429_queue_full_and_cancel_frees_slot(tight_server):
     deadline = time.time() + 10
     while rt.engine.queue_depth < 1 and time.time() < deadline:
         time.sleep(0.01)
+    assert rt.engine.queue_depth == 1
     with pytest.raises(openai.RateLimitError) as e:
         chat(c, max_tokens=5)
     err = error_of(e)
