@@ -132,7 +132,8 @@ async def answer(endpoint, body, request: Request):
     else:
         checked = endpoint.check(body, runtime)
     if body.stream:
-        return EventStream(await endpoint.stream(body, runtime, checked), headers=SSE_HEADERS)
+        events, cancel = await endpoint.stream(body, runtime, checked)
+        return EventStream(events, headers=SSE_HEADERS, on_close=cancel)
     return await endpoint.complete(body, runtime, checked, request)
 
 

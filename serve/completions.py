@@ -14,7 +14,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -138,9 +138,10 @@ async def complete(req: CompletionRequest, runtime: Runtime, prompts: list[Promp
     return _response(req, runtime, choices, _usage(prompts, streams))
 
 
-async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> AsyncIterator[str]:
-    """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator. With
-    echo, a choice's first chunk is its prompt (and the prompt's logprobs)."""
+async def stream(req: CompletionRequest, runtime: Runtime,
+                 prompts: list[Prompt]) -> tuple[AsyncIterator[str], Callable[[], None]]:
+    """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator and what
+    cancels the streams. With echo, a choice's first chunk is its prompt (and the prompt's logprobs)."""
     streams = await _streams(req, runtime, prompts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -184,4 +185,4 @@ async def stream(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]
             held += chunk([], _usage(prompts, streams))
         yield Last(held + "data: [DONE]\n\n")
 
-    return frames()
+    return frames(), lambda: serving.cancel_all(streams)

@@ -25,7 +25,7 @@ import itertools
 import json
 import time
 import uuid
-from typing import Annotated, AsyncIterator, ClassVar, Literal, Optional, Union
+from typing import Annotated, AsyncIterator, Callable, ClassVar, Literal, Optional, Union
 
 from fastapi import Request
 from pydantic import BaseModel, Field
@@ -238,8 +238,10 @@ async def complete(req: ResponsesRequest, runtime: Runtime, prompt: list[int], r
     return run.response(text)
 
 
-async def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
-    """Open the stream now (so errors become HTTP errors), then return the SSE event iterator."""
+async def stream(req: ResponsesRequest, runtime: Runtime,
+                 prompt: list[int]) -> tuple[AsyncIterator[str], Callable[[], None]]:
+    """Open the stream now (so errors become HTTP errors), then return the SSE event iterator and what
+    cancels the stream."""
     run = await _Run(req, runtime, prompt).submit()
     numbers = itertools.count()
     where = {"item_id": run.message_id, "output_index": 0, "content_index": 0}
@@ -253,25 +255,22 @@ async def stream(req: ResponsesRequest, runtime: Runtime, prompt: list[int]) -> 
         return run.response(text).model_dump(mode="json")
 
     async def events():
-        try:
-            yield (event("response.created", response=snapshot())  # one write, as the closing events
-                   + event("response.in_progress", response=snapshot())
-                   + event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
-                   + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
-            pieces = []
-            async for piece in run.stream:
-                if piece:  # "" marks a calculator use: its words come as text
-                    pieces.append(piece)
-                    yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
-            text = "".join(pieces)
-            final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(run.status,
-                                                                                                  "response.failed")
-            yield Last(event("response.output_text.done", **where, text=text, logprobs=[])
-                       + event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
-                       + event("response.output_item.done", output_index=0,
-                               item=run.message(text).model_dump(mode="json"))
-                       + event(final, response=snapshot(text)))
-        finally:  # normal end, or the client went away: free the row now
-            run.stream.cancel()
+        yield (event("response.created", response=snapshot())  # one write, as the closing events
+               + event("response.in_progress", response=snapshot())
+               + event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
+               + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
+        pieces = []
+        async for piece in run.stream:
+            if piece:  # "" marks a calculator use: its words come as text
+                pieces.append(piece)
+                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+        text = "".join(pieces)
+        final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(run.status,
+                                                                                              "response.failed")
+        yield Last(event("response.output_text.done", **where, text=text, logprobs=[])
+                   + event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
+                   + event("response.output_item.done", output_index=0,
+                           item=run.message(text).model_dump(mode="json"))
+                   + event(final, response=snapshot(text)))
 
-    return events()
+    return events(), run.stream.cancel

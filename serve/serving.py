@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from json.encoder import encode_basestring  # json.dumps of a str with ensure_ascii=False, without its wrapper
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -241,8 +241,10 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
                           choices=choices, usage=_usage(prompt, streams))
 
 
-async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> AsyncIterator[str]:
-    """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator."""
+async def stream(req: ChatCompletionRequest, runtime: Runtime,
+                 prompt: list[int]) -> tuple[AsyncIterator[str], Callable[[], None]]:
+    """Open the streams now (so errors become HTTP errors), then return the SSE frame iterator and what
+    cancels the streams (serve.sse.EventStream's on_close)."""
     streams = await _chat_streams(req, runtime, prompt)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -263,31 +265,32 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]
         # words, a choice's last chunk with another's
         held = "".join(chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                        for i in range(len(streams)))
-        try:
-            async with contextlib.aclosing(merged(streams)) as pieces:
-                async for i, piece in pieces:
-                    s = streams[i]
-                    if s.finish_reason == "error":
-                        held += FAILED_EVENT
-                        break
-                    if piece is None:  # tokens whose text was held back (a possible stop string) come last
-                        held += chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
-                                                   finish_reason=finish_reason(s), logprobs=logprobs(s))])
-                        continue
-                    lp = logprobs(s)
-                    if lp:
-                        event = chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
-                    elif piece:  # "" marks a tool use: its parts come with the last chunk
-                        event = text(i, piece)
-                    else:
-                        continue
-                    yield held + event
-                    held = ""
-            if include_usage and not any(s.finish_reason == "error" for s in streams):
-                held += chunk([], _usage(prompt, streams))
-            yield Last(held + "data: [DONE]\n\n")
-        finally:  # normal end, or the client went away: free every row now
-            for s in streams:
-                s.cancel()
+        async with contextlib.aclosing(merged(streams)) as pieces:
+            async for i, piece in pieces:
+                s = streams[i]
+                if s.finish_reason == "error":
+                    held += FAILED_EVENT
+                    break
+                if piece is None:  # tokens whose text was held back (a possible stop string) come last
+                    held += chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
+                                               finish_reason=finish_reason(s), logprobs=logprobs(s))])
+                    continue
+                lp = logprobs(s)
+                if lp:
+                    event = chunk([ChunkChoice(index=i, delta=Delta(content=piece), logprobs=lp)])
+                elif piece:  # "" marks a tool use: its parts come with the last chunk
+                    event = text(i, piece)
+                else:
+                    continue
+                yield held + event
+                held = ""
+        if include_usage and not any(s.finish_reason == "error" for s in streams):
+            held += chunk([], _usage(prompt, streams))
+        yield Last(held + "data: [DONE]\n\n")
 
-    return frames()
+    return frames(), lambda: cancel_all(streams)
+
+
+def cancel_all(streams: list[TextStream]) -> None:
+    for s in streams:
+        s.cancel()

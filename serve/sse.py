@@ -8,6 +8,10 @@ it is suspended in: the request's task sits under some twenty frames of uvicorn,
 and resuming it once an event cost more than the event's own work (cProfile, 128 streams). The event
 iterator's `finally` (which cancels its engine requests) runs either way.
 
+`on_close` runs when the response ends, however it ends: an iterator's own `finally` never runs if the
+sender was cancelled before the iterator began (the client gone while uvicorn waited, in the response
+start, for its socket to drain), and the requests it would have cancelled decoded on for no one.
+
 The response start goes through every middleware; the events go straight to the server's own send
 (`SERVER_SEND`, put in the scope by serve.api's app), past four or five middleware send wrappers an
 event: the middleware here look only at the response start (its status, whether it began), and none
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.responses import Response
 
@@ -33,8 +37,9 @@ SERVER_SEND = "sparkchat.server_send"  # the scope key of the ASGI server's send
 class EventStream(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None):
-        self.events = events
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None):
+        self.events, self.on_close = events, on_close
         self.status_code, self.background = 200, None
         self.init_headers(headers)
 
@@ -69,3 +74,5 @@ class EventStream(Response):
         finally:
             pump.cancel()
             watcher.cancel()
+            if self.on_close is not None:
+                self.on_close()

@@ -314,6 +314,56 @@ def test_the_last_event_goes_out_with_the_end_of_the_body():
                                                   ("http.response.body", b"", False)]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "Hi"}), ("/v1/responses", {"input": "Hi"})],
+    ids=["chat", "completions", "responses"])
+def test_a_stream_whose_client_leaves_before_its_first_event_is_cancelled(serve_start, serve_model_dir, path, body):
+    """The response's start waits (uvicorn drains a socket the client does not read) and the client goes
+    away: the engine requests opened for it are cancelled, though its events never began (their own
+    `finally` never ran: they decoded on to max_tokens for no one)."""
+    s = serve_start(in_process(serve_model_dir, delay=0.05))  # 100 tokens: 5 s if not cancelled
+    rt = s.app.state.runtime
+    data = json.dumps({"model": "sparkchat", "stream": True, **body,
+                       "max_tokens" if path != "/v1/responses" else "max_output_tokens": 100}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(data)).encode())],
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5555)}
+
+    async def request() -> int:
+        started, asked, status = asyncio.Event(), [], []
+
+        async def receive():
+            asked.append(1)
+            if len(asked) == 1:
+                return {"type": "http.request", "body": data, "more_body": False}
+            await started.wait()  # the client leaves while the start waits
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                started.set()
+                if message["status"] == 200:
+                    await asyncio.sleep(60)
+
+        await asyncio.wait_for(s.app(scope, receive, send), 30)
+        return status[0]
+
+    cancels, real_cancel = [], rt.engine.cancel
+    rt.engine.cancel = lambda req: (cancels.append(not req.done), real_cancel(req))[1]
+    try:  # on the server's loop, where the runtime's link lives
+        assert asyncio.run_coroutine_threadsafe(request(), rt.link.loop).result(60) == 200
+        deadline = time.time() + 30
+        while rt.engine.num_active and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        del rt.engine.cancel
+    assert any(cancels), "the request was not cancelled: it ran to its end"
+    assert rt.engine.num_active == 0
+
+
 def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, monkeypatch):
     """A front end that reads nothing while its requests' events pile up past MAX_BACKLOG (made small
     here, with small socket buffers): the engine drops it (its requests cancelled) without ever waiting on
