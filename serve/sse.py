@@ -5,12 +5,11 @@ waits for the client to leave), and uvicorn's send does not fail once the client
 asyncio task sends (`_pump`) and another waits for the disconnect and cancels it; the request's task
 only waits for the sender. The sender is a task of its own because a task resumes through every frame
 it is suspended in: the request's task sits under some twenty frames of uvicorn, middleware and routing,
-and resuming it once an event cost more than the event's own work (cProfile, 128 streams). The event
-iterator's `finally` (which cancels its engine requests) runs either way.
+and resuming it once an event cost more than the event's own work (cProfile, 128 streams).
 
-`on_close` runs when the response ends, however it ends: an iterator's own `finally` never runs if the
-sender was cancelled before the iterator began (the client gone while uvicorn waited, in the response
-start, for its socket to drain), and the requests it would have cancelled decoded on for no one.
+`on_close` (which cancels the response's engine requests) runs when the response ends, however it ends:
+not the event iterator's own `finally`, which never runs if the sender was cancelled before the iterator
+began (the client gone while uvicorn waited, in the response start, for its socket to drain).
 
 The response start goes through every middleware; the events go straight to the server's own send
 (`SERVER_SEND`, put in the scope by serve.api's app), past four or five middleware send wrappers an

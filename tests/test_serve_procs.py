@@ -120,9 +120,13 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(30)
-        self.log.seek(0)
-        print(self.log.read().decode(errors="replace")[-6000:])
+        print(self.log_text()[-6000:])
         return code
+
+    def log_text(self) -> str:
+        """What the server has logged so far (pread: the file's offset is the server's, shared)."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 class Stream:
@@ -198,7 +202,10 @@ def test_a_connection_failing_its_handshake_leaves_the_engine_serving(long_model
             s.connect(address)
         with pytest.raises((AuthenticationError, EOFError, OSError)):
             Client(address, "AF_UNIX", authkey=b"not the key").close()
-        time.sleep(2)  # (the engine has met both by now: its accept loop had nothing else to do)
+        deadline = time.time() + 30
+        while server.log_text().count("connection failed at its start") < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.log_text().count("connection failed at its start") == 2
         r = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": "sparkchat", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200 and server.proc.poll() is None
