@@ -9,8 +9,9 @@ Continuous batching. One `KVCache` holds `max_batch` rows. The active sequences 
 prefills them in one forward over `cache.view(n, n+k)` (k=1: a request alone in row n; requests of one
 prompt run one row of it, which the others copy), then every active row decodes together in one forward
 over `cache.view(0, n+k)`.
-A finished or cancelled row leaves at once: the last active row is moved into its slot (`copy_row`), so
-the rows stay contiguous and the next step is again one forward over rows 0..n-1.
+Finished and cancelled rows leave at once: the active rows past the end of those that stay move into
+their slots, all in one copy a layer (`copy_rows`), so the rows stay contiguous and the next step is
+again one forward over rows 0..n-1.
 A prompt longer than `prefill_chunk` is prefilled a chunk per scheduler step, so the rows already
 decoding keep producing tokens in between; until its prompt is in, its row sits out of each decode.
 
@@ -323,8 +324,7 @@ class Engine:
         self.active.extend(new)  # before the forward: if it fails, `_loop` ends them with the rest
         chunks = [r.prompt[:self.config.prefill_chunk] for r in new]
         self._set_lens(start, [0] * len(new))
-        for b, r in enumerate(new):
-            self.extras_buffers.reset(start + b, r.params.logit_bias)
+        self.extras_buffers.reset_rows(start, [r.params.logit_bias for r in new])
         if self.graphs is not None and self.graphs.can_prefill(chunks, any(r.prompt_lp is not None for r in new)):
             logits = self.graphs.prefill(chunks[0], start)  # (1, 1, V): the last position's logits only
             lasts = [0]
@@ -508,21 +508,25 @@ class Engine:
             pass
 
     def _evict(self) -> None:
-        """Drop finished/cancelled rows, moving the last active row into each freed slot."""
-        i = 0
-        while i < len(self.active):
-            req = self.active[i]
+        """Drop finished/cancelled rows. The n rows that stay keep rows 0..n-1: each freed row below n,
+        lowest first, takes the last staying row above n, all copied in one go. (A copy a row was two
+        kernels a layer: a wave of 128 streams ending cost thousands of launches, and its next requests
+        waited for them.)"""
+        for req in self.active:
             if req.cancelled and not req.done:
                 self._finish(req, "cancelled")
-            if req.done:
-                last = len(self.active) - 1
-                if i != last:
-                    self.cache.copy_row(last, i, self.lens[last])
-                    self.extras_buffers.move(last, i)
-                    self.lens[i] = self.lens[last]
-                    self.active[i] = self.active[last]
-                self.cache.reset_row(last)
-                self.lens[last] = 0
-                self.active.pop()
-            else:
-                i += 1
+        total = len(self.active)
+        stay = [i for i, r in enumerate(self.active) if not r.done]
+        if len(stay) == total:
+            return
+        n = len(stay)
+        holes = [i for i in range(n) if self.active[i].done]
+        movers = [i for i in reversed(stay) if i >= n]  # as many as holes
+        if movers:
+            self.cache.copy_rows(movers, holes, max(self.lens[i] for i in movers))
+            self.extras_buffers.move_rows(movers, holes)
+            for src, dst in zip(movers, holes):
+                self.lens[dst], self.active[dst] = self.lens[src], self.active[src]
+        self.cache.lengths[n:total] = 0
+        self.lens[n:total] = [0] * (total - n)
+        del self.active[n:]

@@ -99,13 +99,6 @@ class KVCache:
         return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
                                    self.lengths[start:stop], self.max_len, self.flex)
 
-    def copy_row(self, src: int, dst: int, n: int) -> None:
-        """Move row src, which holds n tokens, into row dst (used to keep active rows contiguous)."""
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-        self.lengths[dst] = self.lengths[src]
-
     def copy_rows(self, src: list[int], dst: list[int], n: int) -> None:
         """Copy rows src into rows dst (none of them a source), their first n slots, in one copy a layer:
         copied a row at a time (two kernels a row and layer), 120 rows of the d20 cache cost the engine
@@ -116,9 +109,6 @@ class KVCache:
             k[d, :, :n] = k[s, :, :n]
             v[d, :, :n] = v[s, :, :n]
         self.lengths[d] = self.lengths[s]
-
-    def reset_row(self, row: int) -> None:
-        self.lengths[row] = 0
 
 
 QUERY_SPAN = 1 << 16  # the query block of `cache_block_mask`: longer than any chunk a cache takes at once

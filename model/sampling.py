@@ -146,18 +146,22 @@ class ExtrasBuffers:
         return cls(torch.zeros((rows, vocab_size), dtype=torch.float32, device=device),
                    torch.zeros((rows, vocab_size), dtype=torch.float32, device=device))
 
-    def reset(self, row: int, logit_bias: dict[int, float] | None) -> None:
-        """A new request's row: nothing generated yet, and its own logit bias (zero when none)."""
-        self.counts[row].zero_()
-        self.bias[row].zero_()
-        if logit_bias:
-            ids, values = zip(*logit_bias.items())
-            self.bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32).to(self.bias.device)
+    def reset_rows(self, start: int, logit_biases: list[dict[int, float] | None]) -> None:
+        """New requests' rows start.. (one a bias): nothing generated yet, each its own logit bias (zero
+        when none)."""
+        rows = slice(start, start + len(logit_biases))
+        self.counts[rows].zero_()
+        self.bias[rows].zero_()
+        for row, logit_bias in enumerate(logit_biases, start):
+            if logit_bias:
+                ids, values = zip(*logit_bias.items())
+                self.bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32).to(self.bias.device)
 
-    def move(self, src: int, dst: int) -> None:
-        """Row src's state into row dst (the scheduler's rows stay contiguous)."""
-        self.counts[dst] = self.counts[src]
-        self.bias[dst] = self.bias[src]
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Rows src's state into rows dst (none of them a source), in one copy each."""
+        s, d = torch.tensor(src, device=self.counts.device), torch.tensor(dst, device=self.counts.device)
+        self.counts[d] = self.counts[s]
+        self.bias[d] = self.bias[s]
 
 
 def extras_step(logits: torch.Tensor, st: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor,

@@ -174,6 +174,29 @@ def test_rows_without_extras_are_unchanged_beside_rows_with_them(engine_factory,
     assert not any(40 <= i < 200 for i in alone[1])
 
 
+def test_rows_ending_together_leave_the_others_their_state(engine_factory, serve_model):
+    """Several rows end in one step, below and above the rows that stay, while requests wait for rows:
+    the staying rows past the end move down into the freed ones (all at once), each with its cache,
+    length, counts and bias, so every request gives what it gives alone."""
+    e = engine_factory(serve_model, max_batch=6)
+    ban = {i: -100.0 for i in range(40, 200)}
+    # rows 0, 2 and 5 end after 5 tokens; rows 3 and 4 (penalties, a bias) move into rows 2 and 0
+    lengths = [5, 24, 5, 20, 22, 5, 9, 16]
+    kws = [{}, {}, {"presence_penalty": 1.0}, {"frequency_penalty": 2.0}, {"logit_bias": ban}, {}, {}, {}]
+    prompts = [[5 + i, 6, 7 + i] + [8 + i] * (3 * i) for i in range(len(lengths))]  # rows of unequal lengths
+    alone = [ids_of(events(e, p, temperature=0, max_tokens=n, **kw)) for p, n, kw in zip(prompts, lengths, kws)]
+    results = [[] for _ in prompts]
+    finished = threading.Semaphore(0)
+    e.submit_all([(p, SamplingParams(temperature=0, max_tokens=n, **kw),
+                   lambda ev, out=out: out.append(ev.id) if isinstance(ev, Token) else
+                   (isinstance(ev, Finished) and finished.release()))
+                  for p, n, kw, out in zip(prompts, lengths, kws, results)])
+    for _ in prompts:
+        assert finished.acquire(timeout=30)
+    assert results == alone
+    assert [len(a) for a in alone] == lengths and not any(40 <= i < 200 for i in alone[4])
+
+
 def test_seeded_sampling_with_extras_repeats(engine_factory, serve_model):
     e = engine_factory(serve_model, max_batch=4)
     kw = dict(temperature=1.2, max_tokens=30, presence_penalty=0.5, logit_bias={7: 2.0}, logprobs=2)
