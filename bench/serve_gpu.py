@@ -14,12 +14,6 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
 
 - `tokens_per_s`: completion tokens (the usage chunks') per second of the level's window.
 - `of_engine`: the HTTP rate / the engine-alone rate of the same round.
-- `of_engine_same_groups`: the HTTP rate / the engine's in the same round run as the client processes
-  run the streams: each process's share in batches of its own, one after another (engine_round's
-  `groups`), so the shares' batches start and end at different steps, as they do through HTTP. The
-  engine-alone rate above batches every stream together: at many streams the HTTP level's workload
-  differs from it (more prefills a step, rows idle between a share's batches), and `of_engine` counts
-  that difference as the server's.
 - `server_cpu_us_per_token`: (the CPU seconds of every process of the server's tree over the window
   (psutil: user + system of each process, and of its children that exited within it) - the engine's
   step CPU over it (the server's counter `sparkchat_engine_step_cpu_seconds_total`)) / completion tokens
@@ -137,40 +131,16 @@ def run_streams(engine: Engine, prompts: list[list[int]], params: list[SamplingP
             "tpot": [(b - a) / (n - 1) for a, b, n in zip(first, last, tokens) if n > 1]}
 
 
-def engine_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float,
-                 groups: list[range] | None = None) -> dict:
-    """Batches of every prompt at once, one after another, for at least `seconds`; tokens/s over them, TTFT
-    and TPOT medians, the mean batch and the share of the time the scheduler thread was on a CPU.
-    `groups` (indices into the prompts): each group's batches in a thread of its own instead, one after
-    another, as each HTTP client process runs its share of the streams (bench.serve.shares): the HTTP
-    levels' workload without HTTP. The window ends when the last group has run for `seconds`."""
-    groups = groups or [range(len(prompts))]
-    steps, cpu = engine.steps, engine.cpu_seconds
-    got: list[tuple[int, list, list]] = []
-    failed: list[BaseException] = []
-
-    def batches(ids: range) -> None:
-        tokens, ttft, tpot, start = 0, [], [], time.perf_counter()
-        try:
-            while not tokens or time.perf_counter() - start < seconds:
-                r = run_streams(engine, [prompts[i] for i in ids], [params[i] for i in ids])
-                tokens, ttft, tpot = tokens + r["tokens"], ttft + r["ttft"], tpot + r["tpot"]
-        except BaseException as e:  # said by the caller, not lost in a thread
-            failed.append(e)
-        got.append((tokens, ttft, tpot))
-
+def engine_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float) -> dict:
+    """Batches of every prompt at once, one after another, for at least `seconds` (as each client process
+    runs its streams' rounds); tokens/s over them, TTFT and TPOT medians, the mean batch and the share
+    of the time the scheduler thread was on a CPU."""
+    steps, cpu, tokens, ttft, tpot = engine.steps, engine.cpu_seconds, 0, [], []
     t = time.perf_counter()
-    threads = [threading.Thread(target=batches, args=(ids,), daemon=True) for ids in groups]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if failed:
-        raise failed[0]
+    while not tokens or time.perf_counter() - t < seconds:
+        r = run_streams(engine, prompts, params)
+        tokens, ttft, tpot = tokens + r["tokens"], ttft + r["ttft"], tpot + r["tpot"]
     secs = time.perf_counter() - t
-    tokens = sum(g[0] for g in got)
-    ttft = [x for g in got for x in g[1]]
-    tpot = [x for g in got for x in g[2]]
     return {"tokens": tokens, "seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 2),
             "ms_per_step": round(1000 * secs / max(engine.steps - steps, 1), 4),
             "ttft_ms_median": round(1000 * statistics.median(ttft), 3),
@@ -344,9 +314,8 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
     """`args.rounds` rounds of every level: the engine alone, then (with a `model_dir`) the same level
     through the server, started once. Every round of each, with the load average at its start;
     `progress(rounds so far)` after each level, so a run cut short keeps them."""
-    from bench.serve import client_processes, running_server, shares
+    from bench.serve import client_processes, running_server
     eng: dict = {n: [] for n in levels}
-    grouped: dict = {n: [] for n in levels}  # the engine in the HTTP clients' groups (more than one client)
     http: dict = {n: [] for n in levels}
     server = running_server(serve_argv(model_dir, args, max(levels)), timeout=300) if model_dir else None
     with server or contextlib.nullcontext((None, None)) as (base, pid):
@@ -360,32 +329,23 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
                 eng[n].append(e)
                 line = f"round {r + 1}/{args.rounds} {n:4d} streams: engine {e['tokens_per_s']:9.0f} tok/s"
                 if base:
-                    procs = min(args.client_procs or client_processes(n), n)
-                    g = None
-                    if procs > 1:  # the same workload as the HTTP level below, without HTTP
-                        g = {**engine_round(engine, prompts, params, args.seconds, shares(n, procs)),
-                             "groups": procs, "load_average_1m": round(os.getloadavg()[0], 2)}
-                        grouped[n].append(g)
-                        line += f", engine in {procs} groups {g['tokens_per_s']:9.0f} tok/s"
-                    h = http_round(base, pid, model_dir / "tokenizer.json", n, args.new, args.seconds, procs)
+                    h = http_round(base, pid, model_dir / "tokenizer.json", n, args.new, args.seconds,
+                                   args.client_procs or client_processes(n))
                     h["of_engine"] = round(h["tokens_per_s"] / e["tokens_per_s"], 4)
-                    # against the same groups (one group: the engine's own batches are the same workload)
-                    h["of_engine_same_groups"] = round(h["tokens_per_s"] / (g or e)["tokens_per_s"], 4)
                     h["load_average_1m"] = round(os.getloadavg()[0], 2)
                     http[n].append(h)
-                    line += (f", http {h['tokens_per_s']:9.0f} tok/s ({h['of_engine']:.2f}x; "
-                             f"{h['of_engine_same_groups']:.2f}x the same groups), server "
+                    line += (f", http {h['tokens_per_s']:9.0f} tok/s ({h['of_engine']:.2f}x), server "
                              f"{h['server_cpu_us_per_token']} us CPU a token beside the engine's steps (tree "
                              f"{h['tree_cpu_us_per_token']}), text {h['text_token_share']:.3f}, clients "
                              f"{h['client_cpu_us_per_token']} us a token ({h['client_processes']} processes)")
                 print(line + f"; load {load}", flush=True)
-                progress({"engine": eng, "engine_groups": grouped, "http": http if model_dir else None})
-    return {"engine": eng, "engine_groups": grouped, "http": http if model_dir else None}
+                progress({"engine": eng, "http": http if model_dir else None})
+    return {"engine": eng, "http": http if model_dir else None}
 
 
 ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
                "engine_cpu_share")
-HTTP_KEYS = ("tokens_per_s", "of_engine", "of_engine_same_groups", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
+HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
              "tree_cpu_us_per_token",
              "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
@@ -401,12 +361,6 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
             e["of_bound"] = spread([x["tokens_per_s"] / (n * 1000 / bound_ms) for x in rounds["engine"][n]])
         print(f"engine ({name}) {n:4d} streams: {fmt(e['tokens_per_s'], ',.0f')} tok/s, {fmt(e['ms_per_step'], '.2f')} "
               f"ms/step" + (f", {fmt(e['of_bound'], '.1%')} of the weight-read bound" if bound_ms else ""), flush=True)
-    for n in levels:
-        if rounds.get("engine_groups", {}).get(n):
-            g = out[n]["groups"] = {"rounds": rounds["engine_groups"][n], **summary(rounds["engine_groups"][n], ENGINE_KEYS)}
-            print(f"engine ({name}) {n:4d} streams in the HTTP clients' {g['rounds'][0]['groups']} groups: "
-                  f"{fmt(g['tokens_per_s'], ',.0f')} tok/s, {fmt(g['ms_per_step'], '.2f')} ms/step, "
-                  f"{fmt(g['tokens_per_step'], '.1f')} rows a step", flush=True)
     if rounds.get("http"):
         out["http"] = {}
         for n in levels:
@@ -415,7 +369,7 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
                 h["server_cpu_note"] = (f"the server has no {STEP_CPU} counter: the engine's step CPU is not "
                                         f"subtracted, see tree_cpu_us_per_token (the whole tree's)")
             print(f"http {n:4d} streams: {fmt(h['tokens_per_s'], ',.0f')} tok/s, {fmt(h['of_engine'], '.2f', 'x')} the "
-                  f"engine ({fmt(h['of_engine_same_groups'], '.2f', 'x')} in the clients' groups), server CPU beside the engine's steps " + (
+                  f"engine, server CPU beside the engine's steps " + (
                       f"{fmt(h['server_cpu_us_per_token'])} us a token" if "server_cpu_us_per_token" in h
                       else "unknown (no step counter)") +
                   f", text share {fmt(h['text_token_share'], '.3f')}, {fmt(h['tokens_per_event'], '.2f')} tokens an "

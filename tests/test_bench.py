@@ -33,30 +33,3 @@ def test_client_processes_count_the_tokens_the_server_generated(serve_start, ser
     assert 0 <= r.text_tokens <= r.tokens  # those that arrived as text (counted after the timed rounds)
     assert (r.text_events > 0) == (r.text_tokens > 0) and r.text_events <= r.text_tokens  # an event carries >= 1
     assert r.seconds > 0 and r.client_cpu_s > 0 and 0 < r.busiest_cpu_share
-
-
-def test_the_engine_in_groups_runs_each_groups_batches_on_its_own():
-    """The HTTP levels' reference without HTTP: each group's streams batch together, one batch after
-    another, apart from the other groups; every stream's tokens are counted once, and a group's failure
-    reaches the caller instead of ending its thread unseen."""
-    import torch
-
-    from bench.serve_gpu import engine_round
-    from model.engine import Engine, EngineConfig
-    from model.gpt import GPT, GPTConfig
-    from model.requests import SamplingParams
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_embd=32, n_head=4, n_kv_head=2, seq_len=32))
-    model.init_weights(seed=0)
-    engine = Engine(model, EngineConfig(max_batch=8)).start()
-    try:
-        prompts = [[1 + i, 2, 3] for i in range(5)]
-        params = [SamplingParams(temperature=0.0, max_tokens=3 + i) for i in range(5)]
-        one = engine_round(engine, prompts, params, 0.0)
-        grouped = engine_round(engine, prompts, params, 0.0, groups=[range(0, 2), range(2, 5)])
-        assert one["tokens"] == grouped["tokens"] == sum(3 + i for i in range(5))  # one batch a group
-        assert len(grouped) == len(one) and grouped["tokens_per_s"] > 0
-        with pytest.raises(IndexError):  # a group of streams that do not exist
-            engine_round(engine, prompts, params, 0.0, groups=[range(0, 2), range(4, 6)])
-    finally:
-        engine.shutdown()
