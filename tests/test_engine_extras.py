@@ -174,11 +174,15 @@ def test_rows_without_extras_are_unchanged_beside_rows_with_them(engine_factory,
     assert not any(40 <= i < 200 for i in alone[1])
 
 
-def test_rows_ending_together_leave_the_others_their_state(engine_factory, serve_model):
+@pytest.mark.parametrize("run_ahead,prefill_chunk", [(False, 512), (True, 512), (True, 4)],
+                         ids=["plain", "running-ahead", "running-ahead-chunked-prompts"])
+def test_rows_ending_together_leave_the_others_their_state(engine_factory, serve_model, run_ahead, prefill_chunk):
     """Several rows end in one step, below and above the rows that stay, while requests wait for rows:
     the staying rows past the end move down into the freed ones (all at once), each with its cache,
-    length, counts and bias, so every request gives what it gives alone."""
-    e = engine_factory(serve_model, max_batch=6)
+    length, counts and bias, so every request gives what it gives alone; also with the next step
+    launched before the last one is read (as on CUDA), and with prompts prefilled a chunk a step (rows
+    still prefilling move too)."""
+    e = engine_factory(serve_model, max_batch=6, run_ahead=run_ahead, prefill_chunk=prefill_chunk)
     ban = {i: -100.0 for i in range(40, 200)}
     # rows 0, 2 and 5 end after 5 tokens; rows 3 and 4 (penalties, a bias) move into rows 2 and 0
     lengths = [5, 24, 5, 20, 22, 5, 9, 16]
