@@ -14,6 +14,10 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
 
 - `tokens_per_s`: completion tokens (the usage chunks') per second of the level's window.
 - `of_engine`: the HTTP rate / the engine-alone rate of the same round.
+- `of_steady_engine`: the HTTP rate / the engine alone under a steady load in the same round
+  (steady_round: each stream submitted again the moment it ends, the ends spread over a reply's length,
+  so streams start and end every step, as the server's clients keep it busy; the engine alone above
+  runs each level's streams as batches that start and end together).
 - `server_cpu_us_per_token`: (the CPU seconds of every process of the server's tree over the window
   (psutil: user + system of each process, and of its children that exited within it) - the engine's
   step CPU over it (the server's counter `sparkchat_engine_step_cpu_seconds_total`)) / completion tokens
@@ -57,6 +61,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -146,6 +151,46 @@ def engine_round(engine: Engine, prompts: list[list[int]], params: list[Sampling
             "ttft_ms_median": round(1000 * statistics.median(ttft), 3),
             "tpot_ms_median": round(1000 * statistics.median(tpot), 4) if tpot else None,
             **host_share(tokens, engine.steps - steps, engine.cpu_seconds - cpu, secs)}
+
+
+def steady_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float) -> dict:
+    """The engine under a server's steady load: each stream submitted again the moment it ends, the ends
+    spread evenly over a reply's length (stream i's first request asks for (i + 1) / n of it), so that
+    every step about n / `new` streams end and as many start, each prefilled between decode steps, as
+    the server's clients keep it (engine_round's batches start and end together instead). Tokens/s over
+    `seconds`, timed once every stream has ended its first request; the mean batch and ms a step."""
+    n, tokens, stop, left = len(prompts), [0], threading.Event(), threading.Semaphore(0)
+    settled = threading.Semaphore(0)
+
+    def submit(i: int, first: bool = False) -> None:
+        p = params[i]
+        if first:
+            p = dataclasses.replace(p, max_tokens=max(1, (i + 1) * p.max_tokens // n))
+        engine.submit(prompts[i], p, lambda ev: sink(i, ev, first))
+
+    def sink(i: int, ev, first: bool) -> None:  # the engine's thread
+        if isinstance(ev, Token):
+            tokens[0] += 1
+        elif isinstance(ev, Finished):
+            if first:
+                settled.release()
+            if stop.is_set():
+                left.release()
+            else:
+                submit(i)
+
+    for i in range(n):
+        submit(i, first=True)
+    for _ in range(n):
+        settled.acquire()
+    t, steps, before = time.perf_counter(), engine.steps, tokens[0]
+    time.sleep(seconds)
+    secs, got, steps = time.perf_counter() - t, tokens[0] - before, engine.steps - steps
+    stop.set()
+    for _ in range(n):
+        left.acquire()
+    return {"tokens": got, "seconds": round(secs, 4), "tokens_per_s": round(got / secs, 2),
+            "ms_per_step": round(1000 * secs / max(steps, 1), 4), "tokens_per_step": round(got / max(steps, 1), 1)}
 
 
 def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
@@ -326,12 +371,15 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
                     run_streams(engine, prompts, params)  # warm-up: on a GPU, captures this level's graphs
                 load = round(os.getloadavg()[0], 2)
                 e = {**engine_round(engine, prompts, params, args.seconds), "load_average_1m": load}
+                e.update({f"steady_{k}": v for k, v in steady_round(engine, prompts, params, args.seconds).items()})
                 eng[n].append(e)
-                line = f"round {r + 1}/{args.rounds} {n:4d} streams: engine {e['tokens_per_s']:9.0f} tok/s"
+                line = (f"round {r + 1}/{args.rounds} {n:4d} streams: engine {e['tokens_per_s']:9.0f} tok/s, "
+                        f"steady {e['steady_tokens_per_s']:9.0f} tok/s ({e['steady_tokens_per_step']} rows a step)")
                 if base:
                     h = http_round(base, pid, model_dir / "tokenizer.json", n, args.new, args.seconds,
                                    args.client_procs or client_processes(n))
                     h["of_engine"] = round(h["tokens_per_s"] / e["tokens_per_s"], 4)
+                    h["of_steady_engine"] = round(h["tokens_per_s"] / e["steady_tokens_per_s"], 4)
                     h["load_average_1m"] = round(os.getloadavg()[0], 2)
                     http[n].append(h)
                     line += (f", http {h['tokens_per_s']:9.0f} tok/s ({h['of_engine']:.2f}x), server "
@@ -344,8 +392,8 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
 
 
 ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
-               "engine_cpu_share")
-HTTP_KEYS = ("tokens_per_s", "of_engine", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
+               "engine_cpu_share", "steady_tokens_per_s", "steady_ms_per_step", "steady_tokens_per_step")
+HTTP_KEYS = ("tokens_per_s", "of_engine", "of_steady_engine", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
              "tree_cpu_us_per_token",
              "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
@@ -360,7 +408,9 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
         if bound_ms:
             e["of_bound"] = spread([x["tokens_per_s"] / (n * 1000 / bound_ms) for x in rounds["engine"][n]])
         print(f"engine ({name}) {n:4d} streams: {fmt(e['tokens_per_s'], ',.0f')} tok/s, {fmt(e['ms_per_step'], '.2f')} "
-              f"ms/step" + (f", {fmt(e['of_bound'], '.1%')} of the weight-read bound" if bound_ms else ""), flush=True)
+              f"ms/step" + (f", {fmt(e['of_bound'], '.1%')} of the weight-read bound" if bound_ms else "") +
+              f"; steady load {fmt(e['steady_tokens_per_s'], ',.0f')} tok/s, {fmt(e['steady_ms_per_step'], '.2f')} "
+              f"ms/step, {fmt(e['steady_tokens_per_step'], '.1f')} rows a step", flush=True)
     if rounds.get("http"):
         out["http"] = {}
         for n in levels:
@@ -369,7 +419,7 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
                 h["server_cpu_note"] = (f"the server has no {STEP_CPU} counter: the engine's step CPU is not "
                                         f"subtracted, see tree_cpu_us_per_token (the whole tree's)")
             print(f"http {n:4d} streams: {fmt(h['tokens_per_s'], ',.0f')} tok/s, {fmt(h['of_engine'], '.2f', 'x')} the "
-                  f"engine, server CPU beside the engine's steps " + (
+                  f"engine ({fmt(h['of_steady_engine'], '.2f', 'x')} under steady load), server CPU beside the engine's steps " + (
                       f"{fmt(h['server_cpu_us_per_token'])} us a token" if "server_cpu_us_per_token" in h
                       else "unknown (no step counter)") +
                   f", text share {fmt(h['text_token_share'], '.3f')}, {fmt(h['tokens_per_event'], '.2f')} tokens an "

@@ -139,3 +139,34 @@ def test_a_frozen_heap_leaves_full_collections_little_to_walk(tmp_path, serve_mo
         assert r["tracked_objects"] > 50_000 and r["left_after_freeze"] < 1_000
         assert r["frozen"]["max"] < r["unfrozen"]["min"] and r["unfrozen"]["n"] == 2
     assert json.loads((tmp_path / "gc.json").read_text())["engine"]["frozen_ms"] == res["engine"]["frozen_ms"]
+
+
+def test_the_steady_reference_keeps_every_row_busy_with_streams_that_start_and_end_each_step():
+    """bench.serve_gpu.steady_round: each stream is submitted again as it ends, the ends spread over a
+    reply's length, so the batch stays full while streams come and go; every request it started ends."""
+    import torch
+    from bench.serve_gpu import steady_round
+    from model.engine import Engine, EngineConfig
+    from model.gpt import GPT, GPTConfig
+    from model.requests import Finished, SamplingParams
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=2, seq_len=128)).eval()
+    model.init_weights(seed=0)
+    engine = Engine(model, EngineConfig(max_batch=8, cuda_graphs=False)).start()
+    submitted, ended = [], []
+    submit = engine.submit
+
+    def counting_submit(prompt, params, sink):
+        submitted.append(params.max_tokens)
+        return submit(prompt, params, lambda ev: (ended.append(1) if isinstance(ev, Finished) else None, sink(ev)))
+
+    engine.submit = counting_submit
+    try:
+        n, new = 8, 16
+        r = steady_round(engine, [[1, 2, 3]] * n, [SamplingParams(max_tokens=new, seed=i) for i in range(n)], 0.3)
+    finally:
+        engine.shutdown()
+    assert sorted(submitted[:n]) == [2, 4, 6, 8, 10, 12, 14, 16]  # the first ends spread over a reply
+    assert submitted[n:] and set(submitted[n:]) == {new}  # then whole replies, again and again
+    assert len(ended) == len(submitted)  # nothing left running
+    assert r["tokens"] > 0 and n - 1 <= r["tokens_per_step"] <= n + 1  # rows left and filled between steps
