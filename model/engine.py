@@ -522,9 +522,10 @@ class Engine:
         n = len(stay)
         holes = [i for i in range(n) if self.active[i].done]
         movers = [i for i in reversed(stay) if i >= n]  # as many as holes
-        if movers:
-            self.cache.copy_rows(movers, holes, max(self.lens[i] for i in movers))
-            self.extras_buffers.move_rows(movers, holes)
+        if movers:  # the rows as index tensors once, for the cache and the extras alike
+            moved, freed = torch.tensor(movers, device=self.device), torch.tensor(holes, device=self.device)
+            self.cache.copy_rows(moved, freed, max(self.lens[i] for i in movers))
+            self.extras_buffers.move_rows(moved, freed)
             for src, dst in zip(movers, holes):
                 self.lens[dst], self.active[dst] = self.lens[src], self.active[src]
         self.cache.lengths[n:total] = 0

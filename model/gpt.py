@@ -99,12 +99,12 @@ class KVCache:
         return KVCache._from_parts([k[start:stop] for k in self.k], [v[start:stop] for v in self.v],
                                    self.lengths[start:stop], self.max_len, self.flex)
 
-    def copy_rows(self, src: list[int], dst: list[int], n: int) -> None:
+    def copy_rows(self, src: "list[int] | torch.Tensor", dst: "list[int] | torch.Tensor", n: int) -> None:
         """Copy rows src into rows dst (none of them a source), their first n slots, in one copy a layer:
         copied a row at a time (two kernels a row and layer), 120 rows of the d20 cache cost the engine
         about a sixth of its tokens at 128 streams on an H100 (bench/results/serving.md, "The shared
         prefill's copies")."""
-        s, d = torch.tensor(src, device=self.lengths.device), torch.tensor(dst, device=self.lengths.device)
+        s, d = torch.as_tensor(src, device=self.lengths.device), torch.as_tensor(dst, device=self.lengths.device)
         for k, v in zip(self.k, self.v):
             k[d, :, :n] = k[s, :, :n]
             v[d, :, :n] = v[s, :, :n]

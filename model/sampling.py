@@ -157,9 +157,9 @@ class ExtrasBuffers:
                 ids, values = zip(*logit_bias.items())
                 self.bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32).to(self.bias.device)
 
-    def move_rows(self, src: list[int], dst: list[int]) -> None:
+    def move_rows(self, src: "list[int] | torch.Tensor", dst: "list[int] | torch.Tensor") -> None:
         """Rows src's state into rows dst (none of them a source), in one copy each."""
-        s, d = torch.tensor(src, device=self.counts.device), torch.tensor(dst, device=self.counts.device)
+        s, d = torch.as_tensor(src, device=self.counts.device), torch.as_tensor(dst, device=self.counts.device)
         self.counts[d] = self.counts[s]
         self.bias[d] = self.bias[s]
 
