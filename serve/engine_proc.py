@@ -72,6 +72,20 @@ def frame(msg) -> bytes:
     return head + payload
 
 
+# a front end whose streams' events are spaced gets a message at most every this share of that spacing
+# (its tokens wait in the engine meanwhile) instead of one each step: it wakes a few times a stream's
+# spacing, not each step, and every wake-up costs it (a loop that slept runs its first work several times
+# slower: bench/results/serving.md, "The front end's wake-ups"). A token then reaches its client at most
+# this share of its spacing later; with one stream, or a few, that is under a step.
+PACE_SHARE = 0.25
+
+
+def spacing(streams: int, stream_interval: float, events_per_s: float) -> float:
+    """Least seconds between two events of one stream: `stream_interval`, or more while `streams` streams
+    would together send more than `events_per_s` events a second (0: no limit)."""
+    return max(stream_interval, streams / events_per_s if events_per_s else 0.0)
+
+
 # what a front end may leave unread before the engine drops it (it stopped reading: its process is
 # stopped or stuck); below this its events wait for it, and the engine never waits on a front end
 MAX_BACKLOG = 256 * 2 ** 20
@@ -85,6 +99,9 @@ class _Peer:
         self.conn, self.requests, self.outbox, self.open = conn, {}, [], True
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # for sends that never block
         self.backlog = bytearray()
+        self.pace = (0.0, 0.0)  # its (stream_interval, events_per_s): its "pace" command; none, a message a step
+        self.sent_at = 0.0  # time.monotonic() of its last message
+        self.urgent = False  # an answer waits that may not be held (stats)
 
 
 class EngineHost:
@@ -138,7 +155,7 @@ class EngineHost:
                 if busy:  # the scheduler reads from now on, until it calls _went_idle
                     self.idle.clear()
             if not busy:  # no step will come to carry the answers
-                self.flush()
+                self.flush(force=True)
 
     def _watch_writes(self) -> None:  # the host's thread, before it waits
         """Wait for room to write too on the connections with a backlog: with no step to come, nothing
@@ -154,6 +171,7 @@ class EngineHost:
         return bool(self.engine.waiting or self.engine.active)
 
     def _went_idle(self) -> None:  # the scheduler thread, out of work
+        self.flush(force=True)  # what its pace held: no step will come to carry it
         with self.state_lock:
             if not self._busy():
                 self.idle.set()
@@ -198,6 +216,8 @@ class EngineHost:
             req = peer.requests.get(msg[1])
             if req is not None:
                 self.engine.cancel(req)
+        elif kind == "pace":
+            peer.pace = msg[1], msg[2]
         elif kind == "stats":
             e = self.engine
             stats = {"queue_depth": e.queue_depth, "num_active": e.num_active, "steps": e.steps,
@@ -205,6 +225,7 @@ class EngineHost:
                      "process_cpu_seconds": time.process_time()}
             with self.lock:
                 peer.outbox.append((msg[1], STATS, stats))
+                peer.urgent = True
 
     def _sink(self, peer: _Peer, rid: int):
         return lambda ev: self._event(peer, rid, ev)
@@ -221,12 +242,16 @@ class EngineHost:
         with self.lock:
             peer.outbox.append(item)
 
-    def flush(self) -> None:
-        """Send each front end the events gathered since the last flush, as one message."""
+    def flush(self, force: bool = False) -> None:
+        """Send each front end the events gathered since its last message, as one message, unless its pace
+        holds them a while longer (`force`: send them all; nothing else may come to carry them)."""
+        now = time.monotonic()
         with self.lock:
             for peer in self.peers.values():
-                if peer.outbox:
+                if peer.outbox and (force or peer.urgent or now - peer.sent_at
+                                    >= PACE_SHARE * spacing(len(peer.requests), *peer.pace)):
                     batch, peer.outbox = peer.outbox, []
+                    peer.sent_at, peer.urgent = now, False
                     self._send(peer, ("step", batch))
                 elif peer.backlog:
                     self._drain(peer)

@@ -31,7 +31,7 @@ from model.tokenizer import SparkTokenizer, StreamDecoder
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 from .engine_link import EngineLink
-from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, load_engine
+from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, load_engine, spacing
 from .metrics import Metrics
 
 log = logging.getLogger("sparkchat.serve")
@@ -339,10 +339,11 @@ class Runtime:
     def spacing(self) -> float:
         """Least seconds between two pieces of a stream now: the interval asked for, or more while the
         front end's streams would together send more than `events_per_s` pieces a second."""
-        share = len(self.link.streams) / self.events_per_s if self.events_per_s else 0.0
-        return max(self.stream_interval, share)
+        return spacing(len(self.link.streams), self.stream_interval, self.events_per_s)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "Runtime":
+        # the engine paces its messages to this front end by the same spacing (EngineHost.flush)
+        self.link.conn.send(("pace", self.stream_interval, self.events_per_s))
         self.link.start(loop)
         return self
 

@@ -245,6 +245,55 @@ def test_events_a_second_space_the_events_of_many_streams(serve_start, serve_mod
     assert counts[0] <= took[0] / 0.2 + 2 and counts[0] < counts[1], (counts, took)
 
 
+def test_a_paced_front_end_gets_a_message_a_few_times_a_spacing_not_each_step(serve_model_dir):
+    """Eight generations at 10 ms a step for a front end whose pace (4 events a second) spaces each of
+    its streams' events 8 / 4 = 2 s apart: the engine sends it a message at most every quarter of that
+    (0.5 s), holding the tokens in between, answers a stats command at once all the same, and sends what
+    it held once idle; every token arrives (fails with a message each step, with a held answer, or with
+    events left behind). Without a pace, a message each step."""
+    import multiprocessing
+
+    from model.requests import SamplingParams
+    from serve import engine_proc
+    engine, info = engine_proc.load_engine(serve_model_dir, "cpu", 8, 8)
+    engine.model = SlowModel(engine.model, 0.01)
+    host = engine_proc.EngineHost(engine, info)
+    hold = engine_proc.PACE_SHARE * engine_proc.spacing(8, 0.0, 4.0)
+
+    def run(pace: bool):
+        ours, theirs = multiprocessing.Pipe()
+        host.add(theirs)
+        assert ours.recv()[0] == "hello"
+        if pace:
+            ours.send(("pace", 0.0, 4.0))
+        ours.send(("submit", [(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=60)) for rid in range(8)]))
+        messages, times, asked = [], [], None
+        while sum(e[1] == FINISH for m in messages for e in m) < 8:
+            assert ours.poll(30), "the engine sent nothing more"
+            messages.append(ours.recv()[1])
+            times.append(time.monotonic())
+            if pace and asked is None:
+                asked = time.monotonic()
+                ours.send(("stats", -1))
+            if asked and any(e[1] == engine_proc.STATS for e in messages[-1]):
+                answered, asked = time.monotonic() - asked, False
+        tokens = sum(e[1] >= 0 for m in messages for e in m)
+        assert tokens == sum(e[3] for m in messages for e in m if e[1] == FINISH) == 8 * 60
+        return messages, times, (answered if pace else None)
+
+    try:
+        every_step, _, _ = run(pace=False)
+        paced, times, answered = run(pace=True)
+    finally:
+        engine.shutdown()
+    assert len(every_step) >= 50, len(every_step)  # (about a message a step)
+    assert answered < hold / 2, answered
+    gaps = [b - a for a, b in zip(times, times[1:-1])]  # the last, sent when the engine went idle, may come sooner
+    stats_at = next(i for i, m in enumerate(paced) if any(e[1] == engine_proc.STATS for e in m))
+    assert all(g >= hold * 0.9 for i, g in enumerate(gaps) if i + 1 != stats_at), (gaps, stats_at)
+    assert len(paced) <= len(every_step) / 3, (len(paced), len(every_step))
+
+
 def test_four_1mb_prompts_are_refused_without_being_tokenized(serve_start, serve_model_dir):
     """Four 1 MB prompts arriving while a stream runs are each refused as too long without being tokenized
     (before, the loop tokenized them whole), and answered while the stream still runs. That the stream
