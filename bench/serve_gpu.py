@@ -16,7 +16,8 @@ least `--seconds` long. Per level, the median (min-max) over `--rounds` rounds (
 - `of_engine`: the HTTP rate / the engine-alone rate of the same round.
 - `of_steady_engine`: the HTTP rate / the engine alone under a steady load in the same round
   (steady_round: each stream submitted again the moment it ends, the ends spread over a reply's length,
-  so streams start and end every step, as the server's clients keep it busy; the engine alone above
+  so streams start and end every step, one prefill a step: the most spread-out form of a busy server's
+  load, whose clients' requests come in clumps and are prefilled together; the engine alone above
   runs each level's streams as batches that start and end together).
 - `server_cpu_us_per_token`: (the CPU seconds of every process of the server's tree over the window
   (psutil: user + system of each process, and of its children that exited within it) - the engine's
@@ -156,9 +157,10 @@ def engine_round(engine: Engine, prompts: list[list[int]], params: list[Sampling
 def steady_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float) -> dict:
     """The engine under a server's steady load: each stream submitted again the moment it ends, the ends
     spread evenly over a reply's length (stream i's first request asks for (i + 1) / n of it), so that
-    every step about n / `new` streams end and as many start, each prefilled between decode steps, as
-    the server's clients keep it (engine_round's batches start and end together instead). Tokens/s over
-    `seconds`, timed once every stream has ended its first request; the mean batch and ms a step."""
+    every step about n / `new` streams end and as many start, each prefilled between decode steps (the
+    server's clients send theirs in clumps; engine_round's batches start and end together instead).
+    Tokens/s over `seconds`, timed once every stream has ended its first request; the mean batch and ms
+    a step."""
     n, tokens, stop, left = len(prompts), [0], threading.Event(), threading.Semaphore(0)
     settled = threading.Semaphore(0)
 
