@@ -290,7 +290,8 @@ def test_a_paced_front_end_gets_a_message_a_few_times_a_spacing_not_each_step(se
     assert answered < hold / 2, answered
     gaps = [b - a for a, b in zip(times, times[1:-1])]  # the last, sent when the engine went idle, may come sooner
     stats_at = next(i for i, m in enumerate(paced) if any(e[1] == engine_proc.STATS for e in m))
-    assert all(g >= hold * 0.9 for i, g in enumerate(gaps) if i + 1 != stats_at), (gaps, stats_at)
+    # (measured where they arrive: a late delivery shortens the gap after it; a message a step is 0.01 s)
+    assert all(g >= hold / 2 for i, g in enumerate(gaps) if i + 1 != stats_at), (gaps, stats_at)
     assert len(paced) <= len(every_step) / 3, (len(paced), len(every_step))
 
 
