@@ -186,6 +186,7 @@ class ReplyReader:
         self.tool_uses: list[ToolUse] = []
         self.words = ""
         self._kind, self._ids = "text", []  # the part being read
+        self._text: list[str] = []  # a text part's words as decoded (decode(ids) of its ids, in pieces)
         self._call: str | None = None  # a finished call whose result has not come yet
         self._decoder, self._filter = StreamDecoder(tok), _Words()
         self.done = False
@@ -223,7 +224,9 @@ class ReplyReader:
         the last newline)."""
         if self._kind == "text":
             self._settle(out)
-            self._show(out, self._filter.push(self._decoder.read(ids)))
+            text = self._decoder.read(ids)
+            self._text.append(text)
+            self._show(out, self._filter.push(text))
         self._ids += ids
 
     def finish(self) -> list:
@@ -244,9 +247,11 @@ class ReplyReader:
         kind, ids = self._kind, self._ids
         self._kind, self._ids = "text", []
         if kind == "text":
-            self._show(out, self._filter.push(self._decoder.flush()))
-            if ids:
-                self.parts.append({"type": "text", "text": self.tok.decode(ids)})
+            rest = self._decoder.flush()
+            self._show(out, self._filter.push(rest))
+            if ids:  # what decode(ids) gives (StreamDecoder's promise), without decoding the reply again
+                self.parts.append({"type": "text", "text": "".join(self._text) + rest})
+            self._text = []
             return
         text = self.tok.decode(ids)
         self.parts.append({"type": kind, "text": text})

@@ -128,6 +128,17 @@ def test_reading_ids_in_batches_shows_what_one_at_a_time_shows(serve_tokenizer):
         shown_batched += batched.finish()
         assert joined(shown_batched) == joined(shown_one) and batched.parts == one.parts
         assert batched.words == one.words
+    # a text part's text is what the tokenizer decodes of its ids, bytes that never make a character included
+    plain = [i for i in range(tok.vocab_size) if i not in tok.special_ids]
+    for _ in range(50):
+        ids = [rng.choice(plain) for _ in range(rng.randint(1, 40))]
+        reader, k = ReplyReader(tok), 0
+        while k < len(ids):
+            n = rng.randint(1, 6)
+            reader.read(ids[k:k + n])
+            k += n
+        reader.finish()
+        assert reader.parts == [{"type": "text", "text": tok.decode(ids)}]
 
 
 def joined(shown: list) -> list:
