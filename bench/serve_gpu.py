@@ -74,7 +74,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from bench.stats import fmt, save_json, spread  # noqa: E402
-from model.engine import Engine, EngineConfig  # noqa: E402
+from model.engine import PHASES, Engine, EngineConfig  # noqa: E402
 from model.requests import Finished, SamplingParams, Token  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from serve.engine_proc import freeze_heap  # noqa: E402
@@ -142,7 +142,7 @@ def engine_round(engine: Engine, prompts: list[list[int]], params: list[Sampling
     runs its streams' rounds); tokens/s over them, TTFT and TPOT medians, the mean batch and the share
     of the time the scheduler thread was on a CPU."""
     steps, cpu, tokens, ttft, tpot = engine.steps, engine.cpu_seconds, 0, [], []
-    t = time.perf_counter()
+    counters, t = engine_counters(engine), time.perf_counter()
     while not tokens or time.perf_counter() - t < seconds:
         r = run_streams(engine, prompts, params)
         tokens, ttft, tpot = tokens + r["tokens"], ttft + r["ttft"], tpot + r["tpot"]
@@ -151,7 +151,8 @@ def engine_round(engine: Engine, prompts: list[list[int]], params: list[Sampling
             "ms_per_step": round(1000 * secs / max(engine.steps - steps, 1), 4),
             "ttft_ms_median": round(1000 * statistics.median(ttft), 3),
             "tpot_ms_median": round(1000 * statistics.median(tpot), 4) if tpot else None,
-            **host_share(tokens, engine.steps - steps, engine.cpu_seconds - cpu, secs)}
+            **host_share(tokens, engine.steps - steps, engine.cpu_seconds - cpu, secs),
+            **step_phases(counters, engine_counters(engine))}
 
 
 def steady_round(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], seconds: float) -> dict:
@@ -185,14 +186,42 @@ def steady_round(engine: Engine, prompts: list[list[int]], params: list[Sampling
         submit(i, first=True)
     for _ in range(n):
         settled.acquire()
-    t, steps, before = time.perf_counter(), engine.steps, tokens[0]
+    t, steps, before, counters = time.perf_counter(), engine.steps, tokens[0], engine_counters(engine)
     time.sleep(seconds)
     secs, got, steps = time.perf_counter() - t, tokens[0] - before, engine.steps - steps
+    phases = step_phases(counters, engine_counters(engine))
     stop.set()
     for _ in range(n):
         left.acquire()
     return {"tokens": got, "seconds": round(secs, 4), "tokens_per_s": round(got / secs, 2),
-            "ms_per_step": round(1000 * secs / max(steps, 1), 4), "tokens_per_step": round(got / max(steps, 1), 1)}
+            "ms_per_step": round(1000 * secs / max(steps, 1), 4), "tokens_per_step": round(got / max(steps, 1), 1),
+            **phases}
+
+
+def engine_counters(engine: Engine) -> dict:
+    """The engine's step counters (its phases' wall time: model.engine.PHASES), for step_phases."""
+    return {"steps": engine.steps, "steps_ahead": engine.steps_ahead, "admissions": engine.admissions,
+            "admitted_rows": engine.admitted_rows, **{f"{p}_s": v for p, v in engine.phase_seconds.items()}}
+
+
+def served_counters(metrics: dict) -> dict | None:
+    """engine_counters' figures from a server's scrape; None from a server that lacks them."""
+    names = {"steps": "sparkchat_decode_steps", "steps_ahead": "sparkchat_decode_steps_ahead_total",
+             "admissions": "sparkchat_engine_admissions_total",
+             "admitted_rows": "sparkchat_engine_admitted_requests_total",
+             **{f"{p}_s": f'sparkchat_engine_phase_seconds_total{{phase="{p}"}}' for p in PHASES}}
+    return {k: metrics[v] for k, v in names.items()} if all(v in metrics for v in names.values()) else None
+
+
+def step_phases(before: dict, after: dict) -> dict:
+    """Where a decode step's wall time went between two counter snapshots: each phase's ms a step, the
+    admissions a step, the requests an admission took in, and the share of steps launched ahead."""
+    d = {k: after[k] - before[k] for k in before}
+    n = max(d["steps"], 1)
+    out = {f"{p}_ms_per_step": round(1000 * d[f"{p}_s"] / n, 4) for p in PHASES}
+    out.update(admissions_per_step=round(d["admissions"] / n, 3), ahead_share=round(d["steps_ahead"] / n, 3),
+               rows_per_admission=round(d["admitted_rows"] / max(d["admissions"], 1), 2))
+    return out
 
 
 def tree_cpu(pid: int) -> dict[tuple[int, float], float]:
@@ -262,6 +291,9 @@ def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: 
     if all(k in m0 and k in m1 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds")):
         out.update(host_share(tokens, int(m1["sparkchat_decode_steps"] - m0["sparkchat_decode_steps"]),
                               m1["sparkchat_engine_cpu_seconds"] - m0["sparkchat_engine_cpu_seconds"], r.seconds))
+    c0, c1 = served_counters(m0), served_counters(m1)
+    if c0 and c1:
+        out.update(step_phases(c0, c1))
     return out
 
 
@@ -311,12 +343,13 @@ def host_share(tokens: int, steps: int, engine_cpu_s: float, seconds: float) -> 
 
 
 def scrape(base: str) -> dict[str, float]:
-    """The server's Prometheus metrics, name -> value (unlabelled ones)."""
+    """The server's Prometheus metrics, name -> value; a labelled sample's name carries its labels in
+    Prometheus' form, e.g. `sparkchat_engine_phase_seconds_total{phase="wait"}`."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(base + "/metrics", timeout=10).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels}
+    return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in s.labels.items()) + "}" if s.labels else ""): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
@@ -393,13 +426,25 @@ def measure(engine: Engine, tok, gen: dict, levels: list[int], args, model_dir: 
     return {"engine": eng, "http": http if model_dir else None}
 
 
+PHASE_KEYS = (*(f"{p}_ms_per_step" for p in PHASES), "admissions_per_step", "rows_per_admission", "ahead_share")
 ENGINE_KEYS = ("tokens_per_s", "ms_per_step", "ttft_ms_median", "tpot_ms_median", "tokens_per_step",
-               "engine_cpu_share", "steady_tokens_per_s", "steady_ms_per_step", "steady_tokens_per_step")
+               "engine_cpu_share", "steady_tokens_per_s", "steady_ms_per_step", "steady_tokens_per_step",
+               *PHASE_KEYS, *("steady_" + k for k in PHASE_KEYS))
 HTTP_KEYS = ("tokens_per_s", "of_engine", "of_steady_engine", "server_cpu_us_per_token", "text_token_share", "tokens_per_event",
              "tree_cpu_us_per_token",
              "engine_host_cpu_us_per_token", "frontend_cpu_us_per_token",
              "engine_step_cpu_us_per_token", "loop_cpu_us_per_token", "client_cpu_us_per_token",
-             "server_over_client_cpu", "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share")
+             "server_over_client_cpu", "busiest_client_cpu_share", "tokens_per_step", "engine_cpu_share", *PHASE_KEYS)
+
+
+def phases_line(summary: dict, prefix: str = "") -> str:
+    """A summary's step phases, in words."""
+    if prefix + "wait_ms_per_step" not in summary:
+        return "no phase counters"
+    ms = ", ".join(f"{p} {fmt(summary[f'{prefix}{p}_ms_per_step'], '.3f')}" for p in PHASES)
+    return (f"ms a step: {ms}; {fmt(summary[prefix + 'admissions_per_step'], '.3f')} admissions a step of "
+            f"{fmt(summary[prefix + 'rows_per_admission'], '.2f')} requests, {fmt(summary[prefix + 'ahead_share'], '.2f')} "
+            f"of steps launched ahead")
 
 
 def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -> dict:
@@ -413,6 +458,7 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
               f"ms/step" + (f", {fmt(e['of_bound'], '.1%')} of the weight-read bound" if bound_ms else "") +
               f"; steady load {fmt(e['steady_tokens_per_s'], ',.0f')} tok/s, {fmt(e['steady_ms_per_step'], '.2f')} "
               f"ms/step, {fmt(e['steady_tokens_per_step'], '.1f')} rows a step", flush=True)
+        print(f"  batches, {phases_line(e)}\n  steady load, {phases_line(e, 'steady_')}", flush=True)
     if rounds.get("http"):
         out["http"] = {}
         for n in levels:
@@ -428,6 +474,7 @@ def report(rounds: dict, levels: list[int], name: str, bound_ms: float | None) -
                   f"event, clients {fmt(h['client_cpu_us_per_token'])} us a token" +
                   (f" (server / clients {fmt(h['server_over_client_cpu'], '.3f')})" if "server_over_client_cpu" in h
                    else "") + f" (median (min-max) of {len(rounds['http'][n])} rounds)", flush=True)
+            print(f"  http, {phases_line(h)}", flush=True)
     return out
 
 

@@ -47,6 +47,11 @@ from .requests import (EngineStopped, Finished, PromptLogprobs, PromptTooLong, Q
                        Token, Tool)
 from .sampling import IDLE, ExtrasBuffers, Uniforms, logprob_info, sample_rows, settings_row, top_alternatives
 
+PHASES = ("hooks", "admit", "decode", "wait")
+"""Engine.phase_seconds' keys: the step's hooks (before_step, after_step: a server's channel), admitting
+and prefilling requests (with evicting rows before the decode), the decode step (launch, read back,
+events, evictions) and, within it, the wait for the device's sampled ids."""
+
 
 class Request:
     """A submitted generation. `cancel()` may be called from any thread."""
@@ -147,6 +152,11 @@ class Engine:
         self.steps_ahead = 0  # of which launched before the previous one's ids were read back
         self.cpu_seconds = 0.0  # CPU time of the scheduler thread (metrics: is the host keeping up?)
         self.step_cpu_seconds = 0.0  # of which inside the steps themselves (not after_step, not idle waits)
+        # wall time of the scheduler thread by phase of its steps (where a step's time goes; `decode`
+        # includes `wait`, the host waiting for the device's sampled ids), and the admissions' prefills
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.admissions = 0  # prefills of waiting requests (one forward or graph replay each)
+        self.admitted_rows = 0  # the requests they took in
         self.before_step: Callable[[], None] | None = None
         """Called on the scheduler thread before each step (the server reads its front ends' commands)."""
         self.after_step: Callable[[], None] | None = None
@@ -268,16 +278,21 @@ class Engine:
                         self._cv.wait()
                     if not self._running:
                         return
+                clock, t0 = self.phase_seconds, time.perf_counter()
                 if self.before_step is not None:
                     self.before_step()
                 t = time.thread_time()
+                t1 = time.perf_counter()
                 try:
                     self._admit()
                     self._prefill_chunks()
                     self._evict()
+                    t2 = time.perf_counter()
+                    clock["admit"] += t2 - t1
                     if self._inflight is not None or any(not r.prefilling for r in self.active):
                         self._decode()
                         self._evict()
+                        clock["decode"] += time.perf_counter() - t2
                 except Exception as e:  # never let one bad step kill the server
                     for req in list(self.active):
                         self._finish(req, "error", f"{type(e).__name__}: {e}")
@@ -286,8 +301,11 @@ class Engine:
                     self.lens = [0] * self.config.max_batch
                 self.cpu_seconds = time.thread_time()
                 self.step_cpu_seconds += self.cpu_seconds - t
+                clock["hooks"] += t1 - t0
                 if self.after_step is not None:
+                    t3 = time.perf_counter()
                     self.after_step()
+                    clock["hooks"] += time.perf_counter() - t3
 
     def _admit(self) -> None:
         """Move waiting requests into free rows n.. and prefill them together in one forward (a long
@@ -307,6 +325,8 @@ class Engine:
                     new.append(req)
         if not new:
             return
+        self.admissions += 1
+        self.admitted_rows += len(new)
         # requests of one prompt (an RL group's samples, a request's `n` choices) are prefilled once: each
         # prompt's first request runs in the forward, the others then copy its cache row (`src`: the row
         # whose logits and cache each request takes). The firsts go first: the forward's rows are contiguous
@@ -436,7 +456,9 @@ class Engine:
         return LaunchedStep(reqs, sampled, info)
 
     def _collect(self, step: "LaunchedStep") -> None:
+        t = time.perf_counter()
         ids, info = step.result()
+        self.phase_seconds["wait"] += time.perf_counter() - t
         rows = [row for row, r in enumerate(step.reqs) if not r.prefilling]
         self._advance([step.reqs[r] for r in rows], sampled=[ids[r] for r in rows],
                       info=None if info is None else [info[r] for r in rows])

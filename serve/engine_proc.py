@@ -222,7 +222,9 @@ class EngineHost:
             e = self.engine
             stats = {"queue_depth": e.queue_depth, "num_active": e.num_active, "steps": e.steps,
                      "cpu_seconds": e.cpu_seconds, "step_cpu_seconds": e.step_cpu_seconds,
-                     "process_cpu_seconds": time.process_time()}
+                     "process_cpu_seconds": time.process_time(), "steps_ahead": e.steps_ahead,
+                     "phase_seconds": dict(e.phase_seconds), "admissions": e.admissions,
+                     "admitted_rows": e.admitted_rows}
             with self.lock:
                 peer.outbox.append((msg[1], STATS, stats))
                 peer.urgent = True

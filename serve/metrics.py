@@ -47,6 +47,18 @@ class Metrics:
         yield CounterMetricFamily("sparkchat_engine_process_cpu_seconds", "CPU time of the whole process the engine "
                                   "runs in, every thread (the engine process's; a server built in one process: "
                                   "that process's)", value=e["process_cpu_seconds"])
+        yield CounterMetricFamily("sparkchat_decode_steps_ahead", "Decode steps launched before the previous "
+                                  "step's ids were read back (the device kept busy while the host handled them)",
+                                  value=e["steps_ahead"])
+        phases = CounterMetricFamily("sparkchat_engine_phase_seconds", "Wall time of the engine's scheduler thread "
+                                     "by phase of its steps (model.engine.PHASES; decode includes wait)", labels=["phase"])
+        for phase, seconds in e["phase_seconds"].items():
+            phases.add_metric([phase], seconds)
+        yield phases
+        yield CounterMetricFamily("sparkchat_engine_admissions", "Prefills of waiting requests, each one forward "
+                                  "or graph replay", value=e["admissions"])
+        yield CounterMetricFamily("sparkchat_engine_admitted_requests", "Requests those prefills took in",
+                                  value=e["admitted_rows"])
 
     def render(self) -> bytes:
         if not os.environ.get(MULTIPROC_ENV):

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import SlowModel
 from model.chat import display_words, render
+from model.engine import PHASES
 from serve.api import Settings, create_app
 from serve.runtime import Runtime
 
@@ -440,6 +441,10 @@ def test_metrics(server, client):
     assert 0 < value["sparkchat_engine_step_cpu_seconds_total"] <= value["sparkchat_engine_cpu_seconds"]
     # the thread's CPU is part of its process's
     assert value["sparkchat_engine_cpu_seconds"] <= value["sparkchat_engine_process_cpu_seconds_total"]
+    # where the steps' wall time went: the read-back wait is part of the decode phase
+    phase = {p: value[f'sparkchat_engine_phase_seconds_total{{phase="{p}"}}'] for p in PHASES}
+    assert 0 < phase["wait"] <= phase["decode"] and phase["admit"] > 0 and phase["hooks"] > 0
+    assert 1 <= value["sparkchat_engine_admissions_total"] <= value["sparkchat_engine_admitted_requests_total"]
 
 
 # ---- the command line ----

@@ -170,3 +170,6 @@ def test_the_steady_reference_keeps_every_row_busy_with_streams_that_start_and_e
     assert submitted[n:] and set(submitted[n:]) == {new}  # then whole replies, again and again
     assert len(ended) == len(submitted)  # nothing left running
     assert r["tokens"] > 0 and n - 1 <= r["tokens_per_step"] <= n + 1  # rows left and filled between steps
+    # its step phases, from the engine's counters: n / new requests end a step, each taken in before the next
+    assert 0.25 <= r["admissions_per_step"] <= 1 and r["rows_per_admission"] >= 1
+    assert r["decode_ms_per_step"] > r["wait_ms_per_step"] >= 0 and r["admit_ms_per_step"] > 0
