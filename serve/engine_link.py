@@ -103,8 +103,12 @@ class EngineLink:
             raise RuntimeError(error)
         return cls(conn, info)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> "EngineLink":
-        """Hand the connection to `loop`, running in another thread (this one waits until it is done)."""
+    def start(self, loop: asyncio.AbstractEventLoop, pace: tuple[float, float] | None = None) -> "EngineLink":
+        """Hand the connection to `loop`, running in another thread (this one waits until it is done).
+        `pace`: this front end's (stream_interval, events_per_s), by which the engine then spaces its
+        messages here (serve.engine_proc's "pace" command); None: a message every step."""
+        if pace is not None:
+            self.conn.send(("pace", *pace))
         self.loop = loop
         sock = socket.socket(fileno=os.dup(self.conn.fileno()))  # from now on the loop's
         self.conn.close()

@@ -343,8 +343,7 @@ class Runtime:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> "Runtime":
         # the engine paces its messages to this front end by the same spacing (EngineHost.flush)
-        self.link.conn.send(("pace", self.stream_interval, self.events_per_s))
-        self.link.start(loop)
+        self.link.start(loop, pace=(self.stream_interval, self.events_per_s))
         return self
 
     @property
