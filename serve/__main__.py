@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ui", dest="ui", action="store_false",
                    help="serve the API only, without the chat page at / (Gradio is then not imported; default: the page "
                         "is served)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="leave out the access log's line a request (uvicorn's; a few %% of a front end's CPU at "
+                        "many short requests; default: logged)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
@@ -125,7 +128,7 @@ def main(argv=None) -> None:
     log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "
              "once the model has loaded)", host, sock.getsockname()[1], args.api_servers,
              "the chat page at /, " if args.ui else "")
-    raise SystemExit(run(settings, sock, args.api_servers))
+    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ QUICK_EXITS = 5
 STOP_S = 10.0  # on SIGINT/SIGTERM the front ends have this long, together, to finish their streams
 
 
-def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
+def frontend_main(settings: dict, sock: socket.socket, log_level: str, access_log: bool = True) -> None:
     """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .engine_proc import _exit_with_parent, freeze_heap
@@ -48,7 +48,7 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
     from .api import Settings, create_app
     app = create_app(Settings(**settings))
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log))
 
     def leave(why: str) -> None:  # on the loop: give the open streams a moment to send their error
         server.should_exit = True  # and take no new connection meanwhile (the other front ends do)
@@ -61,7 +61,8 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str) -> None:
     server.run(sockets=[sock])
 
 
-def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info") -> int:
+def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info",
+        access_log: bool = True) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1). `settings`:
     serve.api.Settings' fields, less the engine's address, which this function fills in."""
     from .engine_proc import EngineProcess
@@ -75,7 +76,8 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
     def start(i: int, first: bool = False):
         # only the first front end answers "loading" while the engine loads; the others, and any started
         # again, join once they reach it (serve.api.Settings.serve_while_loading)
-        p = ctx.Process(target=frontend_main, args=({**frontend, "serve_while_loading": first}, sock, log_level),
+        p = ctx.Process(target=frontend_main,
+                        args=({**frontend, "serve_while_loading": first}, sock, log_level, access_log),
                         name=f"sparkchat-frontend-{i}")
         p.start()
         return p
