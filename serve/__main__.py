@@ -70,8 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="serve the API only, without the chat page at / (Gradio is then not imported; default: the page "
                         "is served)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
-                   help="leave out the access log's line a request (uvicorn's; a few %% of a front end's CPU at "
-                        "many short requests; default: logged)")
+                   help="leave out the access log's line a request (uvicorn's; default: one a request)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
