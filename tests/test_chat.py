@@ -128,7 +128,14 @@ def test_reading_ids_in_batches_shows_what_one_at_a_time_shows(serve_tokenizer):
         shown_batched += batched.finish()
         assert joined(shown_batched) == joined(shown_one) and batched.parts == one.parts
         assert batched.words == one.words
-    # a text part's text is what the tokenizer decodes of its ids, bytes that never make a character included
+
+
+def test_a_text_parts_text_is_what_the_tokenizer_decodes(serve_tokenizer):
+    """Random plain ids read a few at a time (bytes that never make a character included): the reply's
+    one text part holds the tokenizer's decode of them (joined from the pieces decoded for display)."""
+    import random
+    tok = serve_tokenizer
+    rng = random.Random(0)
     plain = [i for i in range(tok.vocab_size) if i not in tok.special_ids]
     for _ in range(50):
         ids = [rng.choice(plain) for _ in range(rng.randint(1, 40))]
