@@ -2,7 +2,7 @@
 
 Python's collector walks every object it tracks in a full (generation 2) pass, and a process that has
 imported torch, FastAPI and Gradio tracks hundreds of thousands, none of which serving frees. `sparkchat
-serve` freezes each process's start-up heap once it is built (serve.engine_proc.freeze_heap), so later
+serve` freezes each process's start-up heap once it is built (serve.processes.freeze_heap), so later
 passes walk only what serving made. Each process is built here as the server builds it, in a fresh
 interpreter (spawn), then `--rounds` full passes (gc.collect()) are timed before and after freeze_heap():
   - front end: serve.api.create_app with the chat page (serve.supervisor.frontend_main, before uvicorn);
@@ -33,7 +33,8 @@ def _passes(rounds: int) -> list[float]:
 
 def _measure(kind: str, model: str, rounds: int, conn) -> None:
     """In a fresh process: build `kind`'s heap, then time full passes unfrozen and frozen."""
-    from serve.engine_proc import freeze_heap, load_engine
+    from serve.engine_proc import load_engine
+    from serve.processes import freeze_heap
     if kind == "frontend":
         from serve.api import Settings, create_app
         keep = create_app(Settings(model_dir=Path(model), ui=True))

@@ -77,7 +77,7 @@ from bench.stats import fmt, save_json, spread  # noqa: E402
 from model.engine import PHASES, Engine, EngineConfig  # noqa: E402
 from model.requests import Finished, SamplingParams, Token  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
-from serve.engine_proc import freeze_heap  # noqa: E402
+from serve.processes import freeze_heap  # noqa: E402
 
 STEP_CPU = "sparkchat_engine_step_cpu_seconds_total"
 ENGINE_PROCESS_CPU = "sparkchat_engine_process_cpu_seconds_total"
@@ -373,7 +373,7 @@ def chat_requests(tok, gen: dict, n: int, new: int) -> tuple[list[list[int]], li
     server turns them into ids: stream i asks question i (cycling), seed i."""
     from bench.serve import PROMPTS
     from model.chat import render
-    from model.chat_engine import sampling_params
+    from model.requests import sampling_params
     prompts = [render(tok, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], for_completion=True)[0]
                for i in range(n)]
     return prompts, [sampling_params(gen, temperature=1.0, max_tokens=new, seed=i) for i in range(n)]

@@ -3,7 +3,7 @@
 Every generated token crosses from the engine process to a front end and leaves as a server-sent event.
 The parts measured here (CPU microseconds a token, each side), `--rounds` rounds, median and range:
   - channel: an engine step's tokens for one front end as ONE message on a multiprocessing connection,
-    pickled (serve.engine_proc, what the server does), against the same message as JSON
+    pickled as a serve.wire.Step (token columns, what the server does), against the same columns as JSON
     (send_bytes/recv_bytes), and against one pickled message per token;
   - sse: one content chunk's `data:` line from the precomputed template (serve.serving.TextChunks, what
     the server does) against pydantic's model_dump_json of a chunk object (serve.serving.sse, before);
@@ -11,7 +11,7 @@ The parts measured here (CPU microseconds a token, each side), `--rounds` rounds
     token to its serve.runtime.TextStream): a message a step back to back, a message a step each after
     the loop slept `--idle` seconds (a front end between an engine's steps), and one message of
     PACED_STEPS steps after as many steps' sleep (the engine pacing its messages:
-    serve.engine_proc.PACE_SHARE).
+    serve.wire.PACE_SHARE).
 
     python -m bench.serve_path [--rows 128] [--steps 300] [--idle 0.011] [--rounds 3] [--out bench/results/serving/serve_path.json]
 """
@@ -27,8 +27,8 @@ import uvloop
 
 from bench.stats import fmt, ratios, save_json, spread
 from bench.text_model import text_tokenizer
+from serve import wire
 from serve.engine_link import EngineLink, _Channel
-from serve.engine_proc import frame
 from serve.metrics import Metrics
 from serve.runtime import Runtime, TextStream, Wake
 from serve.schemas import ChatCompletionChunk, ChunkChoice, Delta
@@ -36,7 +36,7 @@ from serve.serving import TextChunks, sse
 
 CHANNELS = ("pickle_step", "json_step", "pickle_token")  # the first is the server's
 # steps a paced message carries: a quarter of a stream's spacing at 128 streams and 1,000 events a second
-# (32 ms; serve.engine_proc.PACE_SHARE) is about 3 steps of 11 ms at 128 CPU rows
+# (32 ms; serve.wire.PACE_SHARE) is about 3 steps of 11 ms at 128 CPU rows
 PACED_STEPS = 3
 
 
@@ -59,16 +59,17 @@ def channel_run(kind: str, rows: int, steps: int) -> dict:
     per_token = kind == "pickle_token"
     proc = ctx.Process(target=_receive, args=(theirs, kind, steps * rows if per_token else steps))
     proc.start()
-    batches = [[(rid, (step * 7 + rid) % 65536) for rid in range(rows)] for step in range(steps)]
+    rids = list(range(rows))
+    batches = [[(step * 7 + rid) % 65536 for rid in rids] for step in range(steps)]
     wall, t = time.perf_counter(), time.process_time()
-    for batch in batches:
+    for ids in batches:
         if kind == "pickle_step":
-            ours.send(("step", batch))
+            ours.send(wire.Step([], [], [], rids, ids, None, []))
         elif kind == "json_step":
-            ours.send_bytes(json.dumps(["step", batch]).encode())
+            ours.send_bytes(json.dumps({"rids": rids, "ids": ids}).encode())
         else:
-            for event in batch:
-                ours.send(("step", [event]))
+            for rid, id in zip(rids, ids):
+                ours.send(wire.Step([], [], [], [rid], [id], None, []))
     sender = time.process_time() - t
     receiver = ours.recv()
     wall = time.perf_counter() - wall
@@ -98,8 +99,10 @@ def wake_run(tok, rows: int, steps: int, idle: float, per_message: int = 1) -> f
     into its streams, `per_message` steps a message, each message after `idle` seconds of sleep a step
     in it (0: back to back)."""
     ours, theirs = multiprocessing.Pipe()  # (the link's connection: never used here)
-    wire = [frame(("step", [(rid, (step * 7 + rid) % tok.vocab_size) for step in range(m, m + per_message)
-                            for rid in range(rows)])) for m in range(0, steps, per_message)]
+    messages = [wire.frame(wire.Step([], [], [], list(range(rows)) * per_message,
+                                     [(step * 7 + rid) % tok.vocab_size for step in range(m, m + per_message)
+                                      for rid in range(rows)], None, []))
+                for m in range(0, steps, per_message)]
 
     async def run() -> float:
         link = EngineLink(ours, {})
@@ -109,7 +112,7 @@ def wake_run(tok, rows: int, steps: int, idle: float, per_message: int = 1) -> f
             s = link.streams[rid] = TextStream(runtime, 8, [], wake=Wake())
             s.loop = link.loop
         cpu = 0.0
-        for i, data in enumerate(wire):
+        for i, data in enumerate(messages):
             if idle:
                 await asyncio.sleep(idle * per_message)
             t = time.thread_time()
@@ -118,7 +121,7 @@ def wake_run(tok, rows: int, steps: int, idle: float, per_message: int = 1) -> f
             if i % (16 // per_message) == 0:  # (a stream's reader takes its events now and then)
                 for s in link.streams.values():
                     s.pending.clear()
-        return 1e6 * cpu / (rows * len(wire) * per_message)
+        return 1e6 * cpu / (rows * len(messages) * per_message)
 
     try:
         return uvloop.run(run())

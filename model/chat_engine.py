@@ -2,8 +2,8 @@
 
 The engine itself works on ids only and knows nothing of chat; this is the one place that turns the chat
 format's stop tokens (model.chat.STOP_TOKENS) into the ids that end a reply, says which ids delimit a
-calculator call, whether the model may call the calculator at all (generation.json's `tool_use`) and how
-generation.json's defaults fill in the sampling values a caller leaves out. The terminal chat, the
+calculator call, and whether the model may call the calculator at all (generation.json's `tool_use`;
+how its defaults fill in the sampling values a caller leaves out: model.requests.sampling_params). The terminal chat, the
 evaluate and rl stages and the server all build their engine here; `run_all` runs a batch of requests on one.
 """
 from __future__ import annotations
@@ -29,17 +29,6 @@ def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engi
                        tool_end=s["<|python_end|>"] if tool_use else None,
                        **engine_options)
     return Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None).start()
-
-
-def sampling_params(gen: dict, temperature=None, top_k=None, top_p=None, max_tokens=None,
-                    seed=None, **extras) -> SamplingParams:
-    """SamplingParams from the values given, generation.json's defaults (`gen`) for those left None.
-    `extras`: the other SamplingParams fields (penalties, logit_bias, logprobs), which have no defaults
-    in generation.json."""
-    pick = lambda v, k: gen[k] if v is None else v  # noqa: E731
-    return SamplingParams(temperature=float(pick(temperature, "temperature")),
-                          top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
-                          max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed, **extras)
 
 
 def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], progress=None

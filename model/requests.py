@@ -1,14 +1,19 @@
 """What a caller hands the engine (`model.engine`) and gets back, on token ids only: the sampling
 settings of a request, the events its sink receives (each `Token`, a `PromptLogprobs` if asked, one
 `Finished`), and the errors a submit can raise. The serving layer and the pipeline's evaluators speak
-these types without the scheduler itself.
+these types without the scheduler itself, and without torch (a server's front ends never load it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for at each position (OpenAI's limit on top_logprobs)."""
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+MAX_BIAS = 100.0
+"""logit_bias values lie in [-MAX_BIAS, MAX_BIAS]; -100 bans a token (OpenAI's range and meaning)."""
 
 
 class EngineError(RuntimeError):
@@ -111,6 +116,17 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+
+
+def sampling_params(gen: dict, temperature=None, top_k=None, top_p=None, max_tokens=None,
+                    seed=None, **extras) -> SamplingParams:
+    """SamplingParams from the values given, generation.json's defaults (`gen`) for those left None.
+    `extras`: the other SamplingParams fields (penalties, logit_bias, logprobs), which have no defaults
+    in generation.json."""
+    pick = lambda v, k: gen[k] if v is None else v  # noqa: E731
+    return SamplingParams(temperature=float(pick(temperature, "temperature")),
+                          top_k=int(pick(top_k, "top_k") or 0), top_p=float(pick(top_p, "top_p")),
+                          max_tokens=int(pick(max_tokens, "max_tokens")), seed=seed, **extras)
 
 
 Sink = Callable[[object], None]  # receives Token and finally one Finished

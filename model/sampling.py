@@ -15,12 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20
-"""Most alternatives a request may ask for at each position (OpenAI's limit on top_logprobs)."""
-MAX_PENALTY = 2.0
-"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
-MAX_BIAS = 100.0
-"""logit_bias values lie in [-MAX_BIAS, MAX_BIAS]; -100 bans a token (OpenAI's range and meaning)."""
+from .requests import MAX_LOGPROBS
 
 
 # the most logits `sample` ranks by counting (k_max**2 comparisons a row); a larger k_max sorts them all.

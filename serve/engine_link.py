@@ -1,9 +1,8 @@
-"""A front end's side of the channel to the engine (serve.engine_proc says what travels on it).
+"""A front end's side of the channel to the engine (serve.wire says what travels on it).
 
 After the hello (read blocking, before the event loop serves anything), the connection's socket is the
 event loop's: an asyncio protocol (`_Channel`) takes the bytes as they arrive, cuts them into messages
-by multiprocessing.connection's framing (what the engine's Connection writes), and hands each to the
-link; commands go out through the loop's transport, which buffers what the socket cannot take yet.
+by the wire's framing (`wire.unframe`), and hands each to the link; commands go out through the loop's transport, which buffers what the socket cannot take yet.
 (Connection.recv and send on the loop's socket would not do: the loop makes it non-blocking, and a
 message larger than the socket's buffer, as prompt logprobs for a long prompt are, then breaks off.)
 
@@ -22,23 +21,19 @@ import asyncio
 import itertools
 import logging
 import os
-import pickle
 import socket
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from model.requests import EngineError, EngineStopped, PromptTooLong, QueueFull
+from model.requests import EngineStopped, Finished, PromptLogprobs, Token
 
-from .engine_proc import ACK, FINISH, frame
+from . import wire
 
 log = logging.getLogger("sparkchat.serve")
-REFUSED = {"QueueFull": QueueFull, "PromptTooLong": PromptTooLong, "EngineStopped": EngineStopped,
-           "ValueError": ValueError}
 
 
 class _Channel(asyncio.Protocol):
-    """The bytes from the engine, cut into messages: a 4-byte big-endian length (-1: an 8-byte one follows),
-    then that many bytes of pickle."""
+    """The bytes from the engine, cut into messages (wire.frame's format)."""
 
     def __init__(self, link: "EngineLink"):
         self.link = link
@@ -54,24 +49,7 @@ class _Channel(asyncio.Protocol):
         buf += data
         if len(buf) < self.need:  # the rest of a large message is still coming
             return
-        pos, end, msgs = 0, len(buf), []
-        while True:
-            if end - pos < 4:
-                need = 4
-                break
-            size, head = int.from_bytes(buf[pos:pos + 4], "big", signed=True), 4
-            if size == -1:
-                if end - pos < 12:
-                    need = 12
-                    break
-                size, head = int.from_bytes(buf[pos + 4:pos + 12], "big"), 12
-            if end - pos < head + size:
-                need = head + size
-                break
-            msgs.append(pickle.loads(buf[pos + head:pos + head + size]))
-            pos += head + size
-        del buf[:pos]
-        self.need = need
+        msgs, self.need = wire.unframe(buf)
         for msg in msgs:
             self.link._on_message(msg)
 
@@ -88,7 +66,9 @@ class EngineLink:
         self.conn, self.info = conn, info
         self.loop: asyncio.AbstractEventLoop | None = None
         self.channel: _Channel | None = None
-        self.streams: dict[int, object] = {}  # rid -> its stream (anything with push(event))
+        # rid -> its stream: anything with push(event, now), event a token id (int), a Token (one with
+        # logprobs), a PromptLogprobs, and last a Finished
+        self.streams: dict[int, object] = {}
         self.waiting: dict[int, asyncio.Future] = {}  # acks and stats answers, by rid / token
         self.rids = itertools.count()
         self.dead: str | None = None
@@ -98,17 +78,17 @@ class EngineLink:
     def open(cls, conn: Connection) -> "EngineLink":
         """Read the hello (blocks until the engine has loaded). Raises RuntimeError with the engine's
         load error."""
-        kind, info, error = conn.recv()
-        if info is None:
-            raise RuntimeError(error)
-        return cls(conn, info)
+        hello = conn.recv()
+        if hello.info is None:
+            raise RuntimeError(hello.error)
+        return cls(conn, hello.info)
 
     def start(self, loop: asyncio.AbstractEventLoop, pace: tuple[float, float] | None = None) -> "EngineLink":
         """Hand the connection to `loop`, running in another thread (this one waits until it is done).
         `pace`: this front end's (stream_interval, events_per_s), by which the engine then spaces its
-        messages here (serve.engine_proc's "pace" command); None: a message every step."""
+        messages here (wire.Pace); None: a message every step."""
         if pace is not None:
-            self.conn.send(("pace", *pace))
+            self.conn.send(wire.Pace(*pace))
         self.loop = loop
         sock = socket.socket(fileno=os.dup(self.conn.fileno()))  # from now on the loop's
         self.conn.close()
@@ -119,19 +99,31 @@ class EngineLink:
         asyncio.run_coroutine_threadsafe(attach(), loop).result()
         return self
 
-    def _on_message(self, msg: tuple) -> None:  # ("step", events): the only message after the hello
+    def _on_message(self, step: wire.Step) -> None:  # the only message after the hello
+        waiting = self.waiting
+        for key, answer in step.acks + step.stats:
+            fut = waiting.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(answer)
         streams, now = self.streams, self.loop.time()
-        for ev in msg[1]:
-            if ev[1] <= ACK:  # (rid, ACK, refusal) or (key, STATS, stats): an answer
-                fut = self.waiting.pop(ev[0], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(ev[2])
-                continue
-            s = streams.get(ev[0])
+        for rid, logprobs, top in step.prompts:  # before the tokens: a request's first event
+            s = streams.get(rid)
             if s is not None:
-                if ev[1] == FINISH:
-                    del streams[ev[0]]
-                s.push(ev, now)
+                s.push(PromptLogprobs(logprobs, top), now)
+        if step.logprobs is None:
+            for rid, id in zip(step.rids, step.ids):
+                s = streams.get(rid)
+                if s is not None:
+                    s.push(id, now)
+        else:
+            for rid, id, lp in zip(step.rids, step.ids, step.logprobs):
+                s = streams.get(rid)
+                if s is not None:
+                    s.push(id if lp is None else Token(id, logprob=lp[0], top=lp[1]), now)
+        for rid, reason, prompt_tokens, completion_tokens, error in step.finished:  # after its tokens
+            s = streams.pop(rid, None)
+            if s is not None:
+                s.push(Finished(reason, prompt_tokens, completion_tokens, error), now)
 
     def _on_death(self, why: str) -> None:
         if self.dead is not None:
@@ -140,8 +132,8 @@ class EngineLink:
         if self.on_death is not None:
             self.on_death(why)
         log.error("%s: every open stream ends with an error", why)
-        for rid, s in list(self.streams.items()):
-            s.push((rid, FINISH, "error", 0, why))
+        for s in list(self.streams.values()):
+            s.push(Finished("error", 0, 0, why))
         self.streams.clear()
         for fut in self.waiting.values():
             if not fut.done():
@@ -151,7 +143,7 @@ class EngineLink:
     def _send(self, msg) -> None:  # on the loop
         if self.dead is not None:
             raise EngineStopped(self.dead)
-        self.channel.transport.write(frame(msg))
+        self.channel.transport.write(wire.frame(msg))
 
     async def _ask(self, key: int, msg) -> object:
         fut = self.loop.create_future()
@@ -171,8 +163,8 @@ class EngineLink:
         for rid, (_, _, stream) in zip(rids, jobs):
             self.streams[rid] = stream  # before the ack: their first tokens may come in the same message
         try:
-            refusal = await self._ask(rids[0], ("submit", [(rid, prompt, params)
-                                                           for rid, (prompt, params, _) in zip(rids, jobs)]))
+            refusal = await self._ask(rids[0], wire.Submit([(rid, prompt, params)
+                                                            for rid, (prompt, params, _) in zip(rids, jobs)]))
         except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run them
             for rid in rids:
                 self.cancel(rid)
@@ -184,14 +176,13 @@ class EngineLink:
         if refusal is not None:
             for rid in rids:
                 self.streams.pop(rid, None)
-            kind, message = refusal
-            raise REFUSED.get(kind, EngineError)(message)
+            raise wire.refusal_error(refusal)
         return rids
 
     def cancel(self, rid: int) -> None:
         if self.streams.pop(rid, None) is not None:
             try:
-                self._send(("cancel", rid))
+                self._send(wire.Cancel(rid))
             except EngineStopped:
                 pass
 
@@ -199,7 +190,7 @@ class EngineLink:
         """The engine's counters (queue depth, rows, steps, CPU seconds); None if it does not answer."""
         key = -next(self.rids) - 1  # apart from the rids, in the same table
         try:
-            return await asyncio.wait_for(self._ask(key, ("stats", key)), timeout)
+            return await asyncio.wait_for(self._ask(key, wire.Stats(key)), timeout)
         except (EngineStopped, asyncio.TimeoutError):
             return None
         finally:

@@ -1,105 +1,55 @@
-"""The engine's side of the server: the engine in a process of its own, and the channel to the front ends.
+"""The engine process: the engine, and the channel's engine side that serves its front ends.
 
 `sparkchat serve` runs three kinds of process (docs/serving.md, "Processes"): a supervisor, this engine
 process, and one or more front ends (FastAPI + uvicorn) that render, tokenize, detokenize and frame SSE.
-The engine's scheduler thread then shares its GIL with nothing but this file's one small thread.
+The engine's scheduler thread then shares its GIL with nothing but this file's one small thread. What
+travels on the channel, and how, is serve.wire's; starting this process is serve.processes'.
 
-The channel is a `multiprocessing.connection` per front end (a Unix socket, pickled tuples; why not
-JSON: docs/serving.md, "The channel"). A front end sends commands; every answer is an event:
-
-    ("submit", [(rid, prompt ids, SamplingParams), ...])  ->  (first rid, ACK, None | (error class, message))
-    ("cancel", rid)
-    ("stats", key)                                        ->  (key, STATS, {queue_depth, num_active, ...})
-                                                          <-  ("hello", info | None, load error | None)
-                                                          <-  ("step", [event, ...]) once per engine step
-
-A submit carries a request's generations (its prompts times `n`), queued together or not at all.
-
-A step's message holds every event of that front end since the last one, as plain tuples: the answers
-to the commands read before the step, then (rid, id) a token, (rid, id, logprob, top) a token with its
-logprobs, (rid, PROMPT, logprobs, top) a prompt's logprobs, (rid, FINISH, reason, completion tokens,
-error) a request's end. One message per step and front end, not one per token or per answer: a send is
-a system call and a wake-up on the other side. The engine never waits on a front end: what a front end's
-socket cannot take yet waits in its backlog (a front end that leaves MAX_BACKLOG unread is dropped).
-
-Commands are read between steps by the engine's scheduler thread while it has work (`before_step`), and
-by the host's own thread only while it has none: a command to a busy engine wakes no thread, and its
-answer goes out with the next step's events. `EngineHost` serves the channel over a started Engine; it
-runs in the engine process (`main`), or in the front end's own process when a caller builds the engine
-itself (serve.runtime, tests).
+The engine never waits on a front end: what a front end's socket cannot take yet waits in its backlog (a
+front end that leaves wire.MAX_BACKLOG unread is dropped). Commands are read between steps by the
+engine's scheduler thread while it has work (`before_step`), and by the host's own thread only while it
+has none: a command to a busy engine wakes no thread, and its answer goes out with the next step's
+events. `EngineHost` serves the channel over a started Engine; it runs in the engine process (`main`),
+or in the front end's own process when a caller builds the engine itself (serve.runtime, tests).
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import multiprocessing
 import os
-import pickle
-import secrets
 import select
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
-from pathlib import Path
+from multiprocessing.connection import Connection, Listener
 
 import torch
 
 from model.chat_engine import chat_engine
 from model.device import resolve_device
 from model.model_dir import load_model_dir
+from model.requests import Finished, PromptLogprobs, Token
+
+from . import wire
+from .processes import exit_with_parent, freeze_heap
 
 log = logging.getLogger("sparkchat.serve")
 
-FINISH, PROMPT, ACK, STATS = -1, -2, -3, -4  # an event's second field: a token id, or one of these
-REFUSALS = ("QueueFull", "PromptTooLong", "EngineStopped", "ValueError")  # submit errors sent back by name
 READABLE = select.POLLIN | select.POLLHUP | select.POLLERR  # a command, or the connection's end
 
 
-def frame(msg) -> bytes:
-    """`msg` as Connection.send puts it on the wire (what Connection.recv reads), for a writer that is not
-    the Connection: its pickle, after its length in 4 big-endian bytes, or -1 and the length in 8 when it
-    does not fit 31 bits. Plain pickle: Connection.send's pickler copies its table of reducers (torch
-    registers dozens) for every message."""
-    payload = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
-    n = len(payload)
-    head = n.to_bytes(4, "big") if n < 2 ** 31 else (-1).to_bytes(4, "big", signed=True) + n.to_bytes(8, "big")
-    return head + payload
-
-
-# a front end whose streams' events are spaced gets a message at most every this share of that spacing
-# (its tokens wait in the engine meanwhile) instead of one each step: it wakes a few times a stream's
-# spacing, not each step, and every wake-up costs it (a loop that slept runs its first work several times
-# slower: bench/results/serving.md, "The front end's wake-ups"). A token then reaches its client at most
-# this share of its spacing later; with one stream, or a few, that is under a step.
-PACE_SHARE = 0.25
-
-
-def spacing(streams: int, stream_interval: float, events_per_s: float) -> float:
-    """Least seconds between two events of one stream: `stream_interval`, or more while `streams` streams
-    would together send more than `events_per_s` events a second (0: no limit)."""
-    return max(stream_interval, streams / events_per_s if events_per_s else 0.0)
-
-
-# what a front end may leave unread before the engine drops it (it stopped reading: its process is
-# stopped or stuck); below this its events wait for it, and the engine never waits on a front end
-MAX_BACKLOG = 256 * 2 ** 20
-
-
 class _Peer:
-    """One front end's connection: its requests by rid, the events not yet sent, and the bytes of sent
-    messages that its socket has not taken yet (`backlog`)."""
+    """One front end's connection: its requests by rid, the events not yet sent (`outbox`, a step message
+    being built), and the bytes of sent messages that its socket has not taken yet (`backlog`)."""
 
     def __init__(self, conn: Connection):
-        self.conn, self.requests, self.outbox, self.open = conn, {}, [], True
+        self.conn, self.requests, self.outbox, self.open = conn, {}, wire.StepBuilder(), True
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # for sends that never block
         self.backlog = bytearray()
-        self.pace = (0.0, 0.0)  # its (stream_interval, events_per_s): its "pace" command; none, a message a step
+        self.pace = wire.NO_PACE  # its Pace command's; none: a message every step
         self.sent_at = 0.0  # time.monotonic() of its last message
         self.urgent = False  # an answer waits that may not be held (stats)
 
@@ -131,7 +81,7 @@ class EngineHost:
     def add(self, conn: Connection) -> None:
         peer = _Peer(conn)
         with self.read_lock, self.lock:
-            self._send(peer, ("hello", self.info, None))
+            self._send(peer, wire.Hello(self.info, None))
             self.peers[conn.fileno()] = peer
             for ready in (self.step_ready, self.idle_ready):
                 ready.register(conn.fileno(), select.POLLIN)
@@ -200,25 +150,25 @@ class EngineHost:
         peer.conn.close()
         peer.sock.close()
 
-    def _command(self, peer: _Peer, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "submit":  # a request's generations, all or none (they share a step's prefill)
-            jobs = msg[1]
+    def _command(self, peer: _Peer, msg) -> None:
+        kind = type(msg)
+        if kind is wire.Submit:  # a request's generations, all or none (they share a step's prefill)
+            jobs = msg.jobs
             try:
                 reqs = self.engine.submit_all([(prompt, params, self._sink(peer, rid)) for rid, prompt, params in jobs])
                 peer.requests.update((rid, req) for (rid, _, _), req in zip(jobs, reqs))
                 refusal = None
-            except Exception as e:  # QueueFull, PromptTooLong, ... (REFUSALS); any other is the server's error
+            except Exception as e:  # QueueFull, PromptTooLong, ... (wire.REFUSED); any other is the server's error
                 refusal = (type(e).__name__, str(e))
             with self.lock:
-                peer.outbox.append((jobs[0][0], ACK, refusal))
-        elif kind == "cancel":
-            req = peer.requests.get(msg[1])
+                peer.outbox.acks.append((jobs[0][0], refusal))
+        elif kind is wire.Cancel:
+            req = peer.requests.get(msg.rid)
             if req is not None:
                 self.engine.cancel(req)
-        elif kind == "pace":
-            peer.pace = msg[1], msg[2]
-        elif kind == "stats":
+        elif kind is wire.Pace:
+            peer.pace = msg
+        elif kind is wire.Stats:
             e = self.engine
             stats = {"queue_depth": e.queue_depth, "num_active": e.num_active, "steps": e.steps,
                      "cpu_seconds": e.cpu_seconds, "step_cpu_seconds": e.step_cpu_seconds,
@@ -226,23 +176,26 @@ class EngineHost:
                      "phase_seconds": dict(e.phase_seconds), "admissions": e.admissions,
                      "admitted_rows": e.admitted_rows}
             with self.lock:
-                peer.outbox.append((msg[1], STATS, stats))
+                peer.outbox.stats.append((msg.key, stats))
                 peer.urgent = True
+        else:
+            log.warning("a front end sent %r, which is not a command: ignored", kind.__name__)
 
     def _sink(self, peer: _Peer, rid: int):
         return lambda ev: self._event(peer, rid, ev)
 
     def _event(self, peer: _Peer, rid: int, ev) -> None:  # the engine's sink (its thread, or a cancel's)
-        logprob = getattr(ev, "logprob", None)
-        if hasattr(ev, "forced"):  # a Token
-            item = (rid, ev.id) if logprob is None else (rid, ev.id, logprob, ev.top)
-        elif hasattr(ev, "reason"):  # Finished
-            item = (rid, FINISH, ev.reason, ev.completion_tokens, ev.error)
-            peer.requests.pop(rid, None)
-        else:  # PromptLogprobs
-            item = (rid, PROMPT, ev.logprobs, ev.top)
+        kind = type(ev)
         with self.lock:
-            peer.outbox.append(item)
+            out = peer.outbox
+            if kind is Token:
+                out.token(rid, ev.id, ev.logprob, ev.top)
+            elif kind is Finished:
+                out.finished.append((rid, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.error))
+                peer.requests.pop(rid, None)
+            else:
+                assert kind is PromptLogprobs, kind
+                out.prompts.append((rid, ev.logprobs, ev.top))
 
     def flush(self, force: bool = False) -> None:
         """Send each front end the events gathered since its last message, as one message, unless its pace
@@ -250,11 +203,11 @@ class EngineHost:
         now = time.monotonic()
         with self.lock:
             for peer in self.peers.values():
-                if peer.outbox and (force or peer.urgent or now - peer.sent_at
-                                    >= PACE_SHARE * spacing(len(peer.requests), *peer.pace)):
-                    batch, peer.outbox = peer.outbox, []
+                if peer.outbox and (force or peer.urgent
+                                    or wire.message_due(now - peer.sent_at, len(peer.requests), peer.pace)):
+                    batch, peer.outbox = peer.outbox, wire.StepBuilder()
                     peer.sent_at, peer.urgent = now, False
-                    self._send(peer, ("step", batch))
+                    self._send(peer, batch.message())
                 elif peer.backlog:
                     self._drain(peer)
 
@@ -262,7 +215,7 @@ class EngineHost:
         """Send without waiting: what the socket cannot take now waits in the peer's backlog, sent first
         at the next flush (or by the host's thread when the engine is idle)."""
         if peer.open:
-            peer.backlog += frame(msg)
+            peer.backlog += wire.frame(msg)
             self._drain(peer)
 
     def _drain(self, peer: _Peer) -> None:  # under self.lock
@@ -271,7 +224,7 @@ class EngineHost:
                 n = peer.sock.send(peer.backlog, socket.MSG_DONTWAIT)
                 del peer.backlog[:n]
         except BlockingIOError:
-            if len(peer.backlog) > MAX_BACKLOG:
+            if len(peer.backlog) > wire.MAX_BACKLOG:
                 log.error("a front end left %d MiB unread: dropping it (its requests are cancelled)",
                           len(peer.backlog) >> 20)
                 self._hang_up(peer)
@@ -301,22 +254,6 @@ def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
     return engine, info
 
 
-def freeze_heap() -> None:
-    """Leave what start-up built (modules, the app, the model) out of the collector's passes from now on:
-    a full pass otherwise walks every object of torch, FastAPI and Gradio, and stops a front end's
-    streams, or the engine's decode step, for as long (bench/results/serving.md, "The collector")."""
-    gc.collect()
-    gc.freeze()
-
-
-def _exit_with_parent() -> None:
-    """Leave when the process that started this one is gone (killed with -9: nothing else tells us)."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, address: str, authkey: bytes,
          exit_on_failed_load: bool = False) -> None:
     """The engine process: listen at `address` at once, load the model, then serve every front end that
@@ -324,7 +261,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     this process with code 1 (`sparkchat serve`: a server that can never answer stops, saying why)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:
         host, error = EngineHost(*load_engine(model_dir, device, max_batch, max_queue)), None
@@ -338,50 +275,9 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
         try:  # the handshake: a front end that died while queued here, or a wrong key, fails only itself
             conn = listener.accept()
             if host is None:
-                conn.send(("hello", None, error))  # (once a connection: Connection.send's pickler will do)
+                conn.send(wire.Hello(None, error))  # (once a connection: Connection.send's pickler will do)
                 continue
             host.add(conn)
         except (OSError, EOFError, AuthenticationError) as e:
             log.warning("a front end's connection failed at its start (%s: %s): it is not served",
                         type(e).__name__, e)
-
-
-class EngineProcess:
-    """An engine process started from here (multiprocessing, 'spawn': a fresh interpreter, no copy of
-    this one's threads), and where front ends connect to it (`address`, `authkey`)."""
-
-    def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int,
-                 exit_on_failed_load: bool = False):
-        self.dir = tempfile.mkdtemp(prefix="sparkchat-")
-        self.address, self.authkey = str(Path(self.dir) / "engine.sock"), secrets.token_bytes(16)
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=main, name="sparkchat-engine", daemon=True,
-                                   args=(str(model_dir), device, max_batch, max_queue, self.address, self.authkey,
-                                         exit_on_failed_load))
-        self.process.start()
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(10)
-        if self.process.is_alive():  # stuck (in a CUDA call, say): SIGTERM did not end it
-            self.process.kill()
-            self.process.join()
-        for f in Path(self.dir).glob("*"):
-            f.unlink()
-        os.rmdir(self.dir)
-
-
-def connect(address: str, authkey: bytes, process=None, timeout: float = 120.0) -> Connection:
-    """A connection to the engine process at `address`, waiting for it to listen (it starts listening at
-    once, then loads; the hello waits for the load). `process`: give up if it exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(address, "AF_UNIX", authkey=authkey)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if process is not None and not process.is_alive():
-                raise RuntimeError(f"the engine process exited (code {process.exitcode}) before it listened") from None
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)

@@ -9,7 +9,8 @@ generations through it.
 
 The engine runs in a process of its own (serve.engine_proc), reached through serve.engine_link; a
 Runtime built `in_process` runs it in a thread of this process instead, over the same channel (tests,
-and callers that want to reach into the engine). A stream reads what arrived since it last read as one
+and callers that want to reach into the engine). Only those two imports torch, when called: a front
+end that connects to an engine process never loads it. A stream reads what arrived since it last read as one
 piece: a stream that fell behind catches up in one SSE event, not one per token.
 """
 from __future__ import annotations
@@ -20,19 +21,22 @@ import logging
 import multiprocessing
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from model.chat import ReplyReader, ToolUse, cut_parts, render
-from model.chat_engine import sampling_params
-from model.engine import Engine
-from model.requests import PromptLogprobs, SamplingParams, Token
+from model.requests import Finished, PromptLogprobs, SamplingParams, Token, sampling_params
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
 from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 from .engine_link import EngineLink
-from .engine_proc import FINISH, PROMPT, EngineHost, EngineProcess, connect, load_engine, spacing
 from .metrics import Metrics
+from .processes import EngineProcess
+from .wire import connect, spacing
+
+if TYPE_CHECKING:
+    from model.engine import Engine
 
 log = logging.getLogger("sparkchat.serve")
 # uvloop's loop.time() is libuv's clock, cached at each loop iteration in whole milliseconds: a stream
@@ -104,7 +108,7 @@ class TextStream:
                  wake: Wake | None = None):
         self.runtime = runtime
         self.wake = wake or Wake()
-        self.pending: list[tuple] = []  # events from the engine not read yet
+        self.pending: list = []  # events from the engine not read yet (EngineLink.streams says which)
         self.reader = ReplyReader(runtime.tokenizer) if chat else PlainReader(runtime.tokenizer)
         self.tool_uses: list[ToolUse] = self.reader.tool_uses
         self.stop = [s for s in stop if s]
@@ -123,7 +127,7 @@ class TextStream:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.t0 = time.perf_counter()
 
-    def push(self, ev: tuple, now: float = 0.0) -> None:
+    def push(self, ev, now: float = 0.0) -> None:
         """An event from the link, on the loop (`now`: the loop time its engine step arrived; 0: read the
         clock if needed). Wakes the reader if the stream is due, else the event waits for a later one."""
         self.pending.append(ev)
@@ -138,7 +142,7 @@ class TextStream:
         """Free the engine row now; the stream then ends (as 'stop', as if the model had)."""
         if self.finish_reason is None and self.rid is not None and self.rid in self.runtime.link.streams:
             self.runtime.link.cancel(self.rid)
-            self.push((self.rid, FINISH, "cancelled", self.completion_tokens, None))
+            self.push(Finished("cancelled", self.prompt_tokens, self.completion_tokens))
 
     def close(self) -> None:
         """The consumer went away (client disconnect, stop button): cancel, and count it as cancelled."""
@@ -185,7 +189,7 @@ class TextStream:
 
     def due(self, now: float) -> bool:
         """Events are waiting and may go out now (its spacing has passed, or the stream has ended)."""
-        return bool(self.pending) and (now + CLOCK_SLACK >= self.next_at or self.pending[-1][1] == FINISH)
+        return bool(self.pending) and (now + CLOCK_SLACK >= self.next_at or type(self.pending[-1]) is Finished)
 
     def take(self) -> str | None:
         """Read every pending event: the words they make, as one piece ("" when only a tool use
@@ -197,25 +201,26 @@ class TextStream:
         for ev in events:
             if self.finish_reason is not None:  # a stop string ended it
                 break
-            kind = ev[1]
-            if kind >= 0:  # a token
+            kind = type(ev)
+            if kind is int or kind is Token:  # a token (a Token when it carries logprobs)
                 self.completion_tokens += 1
-                if len(ev) > 2:
-                    self.tokens.append(Token(kind, logprob=ev[2], top=ev[3]))
+                if kind is Token:
+                    self.tokens.append(ev)
+                    ev = ev.id
                 if self.stop:
-                    used |= self._read([kind], out)
+                    used |= self._read([ev], out)
                 else:
-                    ids.append(kind)
-            elif kind == PROMPT:
-                self.prompt_logprobs = PromptLogprobs(ev[2], ev[3])
-            else:  # FINISH
+                    ids.append(ev)
+            elif kind is PromptLogprobs:
+                self.prompt_logprobs = ev
+            else:  # Finished
                 if ids:
                     used |= self._read(ids, out)
                     ids = []
-                if ev[2] == "error":
-                    log.error("generation failed: %s", ev[4])
+                if ev.reason == "error":
+                    log.error("generation failed: %s", ev.error)
                 used |= self._read(None, out)
-                self._end("stop" if ev[2] in ("stop", "cancelled") else ev[2])
+                self._end("stop" if ev.reason in ("stop", "cancelled") else ev.reason)
         if ids:
             used |= self._read(ids, out)
         if self.first_token_at is None and self.completion_tokens > tokens:
@@ -293,7 +298,7 @@ class Runtime:
     events_per_s: float = STREAM_EVENTS_PER_S
     """The most pieces a second over all this front end's streams (0: no limit): with many streams each
     stream's pieces are spaced (streams / events_per_s) seconds apart."""
-    engine: Engine | None = None
+    engine: "Engine | None" = None
     """The engine itself, when it runs in this process (`in_process`); else None."""
     process: EngineProcess | None = None
     """The engine process this runtime started (and stops on close), if any."""
@@ -331,6 +336,7 @@ class Runtime:
     def in_process(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
                    max_queue: int = MAX_QUEUE, **fields) -> "Runtime":
         """The engine in a thread of this process, over the same channel (a pipe)."""
+        from .engine_proc import EngineHost, load_engine
         engine, info = load_engine(model_dir, device, max_batch, max_queue)
         ours, theirs = multiprocessing.Pipe()
         EngineHost(engine, info).add(theirs)

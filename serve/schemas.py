@@ -22,7 +22,7 @@ from typing import Annotated, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from model.chat import PART_TYPES
-from model.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from model.requests import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 8

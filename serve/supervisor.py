@@ -8,7 +8,7 @@ detokenizing or SSE framing, and N front ends use N cores for them. Faults (docs
 the engine process gone ends the server with exit code 1 within seconds (nothing can serve without it;
 a process manager restarts the whole); a front end gone loses only its own connections and is started
 again, at once the first time; one that keeps failing at its start backs off, then ends the server.
-Every child leaves when this process does (serve.engine_proc watches its parent).
+Every child leaves when this process does (serve.processes.exit_with_parent).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ STOP_S = 10.0  # on SIGINT/SIGTERM the front ends have this long, together, to f
 def frontend_main(settings: dict, sock: socket.socket, log_level: str, access_log: bool = True) -> None:
     """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .engine_proc import _exit_with_parent, freeze_heap
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    from .processes import exit_with_parent, freeze_heap
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     import uvicorn
 
     from .api import Settings, create_app
@@ -65,7 +65,7 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
         access_log: bool = True) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1). `settings`:
     serve.api.Settings' fields, less the engine's address, which this function fills in."""
-    from .engine_proc import EngineProcess
+    from .processes import EngineProcess
     metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
     engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"],

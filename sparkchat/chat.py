@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback
         sys.stdin.reconfigure(errors="surrogateescape")
 
-    from model.chat_engine import chat_engine, sampling_params
+    from model.chat_engine import chat_engine
+    from model.requests import sampling_params
     from model.device import resolve_device
     from model.model_dir import ModelDirError, load_model_dir
 

@@ -187,7 +187,8 @@ def test_chat_history_keeps_the_reply_parts(conv_tool_model_dir, conv_tool_chats
     import io
 
     from model.chat import render
-    from model.chat_engine import chat_engine, sampling_params
+    from model.chat_engine import chat_engine
+    from model.requests import sampling_params
     from model.model_dir import load_model_dir
     from sparkchat.chat import answer
     model, tok, gen = load_model_dir(conv_tool_model_dir)

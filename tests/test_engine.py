@@ -368,7 +368,8 @@ def test_a_failing_sink_does_not_stop_the_engine(engine_factory, serve_model):
 @pytest.mark.parametrize("tool_use", [True, False])
 def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool_use):
     from model.chat import ToolUse, read_reply
-    from model.chat_engine import chat_engine, sampling_params
+    from model.chat_engine import chat_engine
+    from model.requests import sampling_params
     from model.model_dir import DEFAULT_GENERATION
     from model.tokenizer import StreamDecoder
 
@@ -393,7 +394,7 @@ def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool
 
 
 def test_sampling_params_fill_in_generation_defaults():
-    from model.chat_engine import sampling_params
+    from model.requests import sampling_params
     gen = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "max_tokens": 256}
     p = sampling_params(gen, temperature=0.0, max_tokens=5, seed=3)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.seed) == (0.0, 50, 0.9, 5, 3)

@@ -130,7 +130,7 @@ def test_the_event_floor_counts_every_token_its_bare_app_sent(tmp_path):
 
 def test_a_frozen_heap_leaves_full_collections_little_to_walk(tmp_path, serve_model_dir):
     """bench/gc_pause.py: a front end's and an engine process's heaps, built as the server builds them,
-    hold many thousand tracked objects; after serve.engine_proc.freeze_heap a full pass walks almost none,
+    hold many thousand tracked objects; after serve.processes.freeze_heap a full pass walks almost none,
     and takes less time than before."""
     from bench.gc_pause import main
     res = main(["--model", str(serve_model_dir), "--rounds", "2", "--out", str(tmp_path / "gc.json")])

@@ -14,8 +14,9 @@ import openai
 import pytest
 from conftest import SlowModel, broken_app, post_large_prompts
 
+from model.requests import Finished
+from serve import wire
 from serve.api import Settings, create_app
-from serve.engine_proc import FINISH
 from serve.runtime import Runtime, TextStream, Wake
 from serve.schemas import ChatCompletionChunk, ChunkChoice, CompletionChoice, Delta
 from serve.serving import TextChunks, sse
@@ -74,7 +75,7 @@ def test_one_channel_message_per_engine_step(server):
     step (fails with a message per token)."""
     link = server.app.state.runtime.link
     counts, on_message = [], link._on_message
-    link._on_message = lambda msg: (counts.append(len(msg[1])) if msg[0] == "step" else None, on_message(msg))[1]
+    link._on_message = lambda step: (counts.append(len(step.ids) + len(step.finished)), on_message(step))[1]
     try:
         def one(i):
             with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
@@ -123,11 +124,9 @@ def test_a_busy_engine_answers_with_its_next_step(server):
     """Requests sent while others decode: the engine reads them between steps and each acknowledgement
     comes in a step's message beside that step's tokens, never alone (fails with an immediate answer a
     command: one more message, and a wake-up on each side)."""
-    from serve.engine_proc import ACK
     link = server.app.state.runtime.link
     acks, on_message = [], link._on_message
-    link._on_message = lambda msg: (acks.extend(any(e[1] >= 0 for e in msg[1]) for e in msg[1] if e[1] == ACK),
-                                    on_message(msg))[1]
+    link._on_message = lambda step: (acks.extend(bool(step.ids) for _ in step.acks), on_message(step))[1]
     try:
         def one(i):
             with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
@@ -202,16 +201,17 @@ def test_a_spaced_stream_wakes_its_reader_only_when_due():
         loop = asyncio.get_running_loop()
         stream = types.SimpleNamespace(pending=[], next_at=loop.time() + 5, wake=Wake(), loop=loop)
         stream.due = lambda now: TextStream.due(stream, now)
-        for ev, at, woken in [((0, 7), stream.next_at - 1, False),  # a step before its time
-                              ((0, 8), stream.next_at - 0.0005, True),  # the clock read just early
-                              ((0, FINISH, "stop", 2, None), stream.next_at - 1, True)]:  # its end
+        end = Finished("stop", 3, 2)
+        for ev, at, woken in [(7, stream.next_at - 1, False),  # a step before its time
+                              (8, stream.next_at - 0.0005, True),  # the clock read just early
+                              (end, stream.next_at - 1, True)]:  # its end
             waiting = asyncio.ensure_future(stream.wake.wait())
             await asyncio.sleep(0)
             TextStream.push(stream, ev, at)
             await asyncio.sleep(0)
             assert waiting.done() == woken, ev
             waiting.cancel()
-        assert [ev[1] for ev in stream.pending] == [7, 8, FINISH]
+        assert stream.pending == [7, 8, end]
 
     loop = uvloop.new_event_loop()
     try:
@@ -258,25 +258,25 @@ def test_a_paced_front_end_gets_a_message_a_few_times_a_spacing_not_each_step(se
     engine, info = engine_proc.load_engine(serve_model_dir, "cpu", 8, 8)
     engine.model = SlowModel(engine.model, 0.01)
     host = engine_proc.EngineHost(engine, info)
-    hold = engine_proc.PACE_SHARE * engine_proc.spacing(8, 0.0, 4.0)
+    hold = wire.PACE_SHARE * wire.spacing(8, 0.0, 4.0)
 
     def run(pace: bool):
         ours, theirs = multiprocessing.Pipe()
         host.add(theirs)
-        assert ours.recv()[0] == "hello"
+        assert type(ours.recv()) is wire.Hello
         if pace:
-            ours.send(("pace", 0.0, 4.0))
-        ours.send(("submit", [(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=60)) for rid in range(8)]))
+            ours.send(wire.Pace(0.0, 4.0))
+        ours.send(wire.Submit([(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=60)) for rid in range(8)]))
         messages, times, asked_at = [], [], None
-        while sum(e[1] == FINISH for m in messages for e in m) < 8:
+        while sum(len(m.finished) for m in messages) < 8:
             assert ours.poll(30), "the engine sent nothing more"
-            messages.append(ours.recv()[1])
+            messages.append(ours.recv())
             times.append(time.monotonic())
             if pace and asked_at is None:  # asked once the first message is in
                 asked_at = time.monotonic()
-                ours.send(("stats", -1))
-        tokens = sum(e[1] >= 0 for m in messages for e in m)
-        assert tokens == sum(e[3] for m in messages for e in m if e[1] == FINISH) == 8 * 60
+                ours.send(wire.Stats(-1))
+        tokens = sum(len(m.ids) for m in messages)
+        assert tokens == sum(f[3] for m in messages for f in m.finished) == 8 * 60
         return messages, times, asked_at
 
     try:
@@ -285,7 +285,7 @@ def test_a_paced_front_end_gets_a_message_a_few_times_a_spacing_not_each_step(se
     finally:
         engine.shutdown()
     assert len(every_step) >= 50, len(every_step)  # (about a message a step)
-    stats_at = next((i for i, m in enumerate(paced) if any(e[1] == engine_proc.STATS for e in m)), None)
+    stats_at = next((i for i, m in enumerate(paced) if m.stats), None)
     assert stats_at is not None, "the stats command was never answered"
     assert times[stats_at] - asked_at < hold / 2, times[stats_at] - asked_at
     gaps = [b - a for a, b in zip(times, times[1:-1])]  # the last, sent when the engine went idle, may come sooner
@@ -423,7 +423,7 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, mon
 
     from model.requests import SamplingParams
     from serve import engine_proc
-    monkeypatch.setattr(engine_proc, "MAX_BACKLOG", 8 * 1024)
+    monkeypatch.setattr(wire, "MAX_BACKLOG", 8 * 1024)
     engine, info = engine_proc.load_engine(serve_model_dir, "cpu", 4, 8)
     host = engine_proc.EngineHost(engine, info)
     try:
@@ -434,7 +434,7 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, mon
             with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:  # (the same socket)
                 s.setsockopt(socket.SOL_SOCKET, opt, 4096)
         many = SamplingParams(temperature=1.0, max_tokens=100, logprobs=20)
-        ours.send(("submit", [(rid, [1, 2, 3], many) for rid in range(8)]))
+        ours.send(wire.Submit([(rid, [1, 2, 3], many) for rid in range(8)]))
         deadline = time.time() + 30
         while host.peers and time.time() < deadline:
             time.sleep(0.05)
@@ -445,12 +445,12 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, mon
 
         ours2, theirs2 = multiprocessing.Pipe()
         host.add(theirs2)
-        assert ours2.recv()[0] == "hello"
-        ours2.send(("submit", [(0, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=5))]))
-        events = []
-        while not any(e[1] == FINISH for e in events):
+        assert type(ours2.recv()) is wire.Hello
+        ours2.send(wire.Submit([(0, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=5))]))
+        steps = []
+        while not any(m.finished for m in steps):
             assert ours2.poll(30), "the next front end got no events"
-            events += ours2.recv()[1]
-        assert sum(1 for e in events if e[1] >= 0) == next(e for e in events if e[1] == FINISH)[3]
+            steps.append(ours2.recv())
+        assert sum(len(m.ids) for m in steps) == next(f for m in steps for f in m.finished)[3]
     finally:
         engine.shutdown()
