@@ -51,7 +51,8 @@ from safetensors.torch import load_file, save_file
 
 from .chat import STOP_TOKENS
 from .gpt import GPT, GPTConfig
-from .model_dir import (CHECKSUMS, DEFAULT_GENERATION, WEIGHTS, WEIGHTS_INDEX, ModelDirError, build_model,
+from .model_info import DEFAULT_GENERATION
+from .model_dir import (CHECKSUMS, WEIGHTS, WEIGHTS_INDEX, ModelDirError, build_model,
                         file_record, portable_state_dict, write_atomic)
 from .tokenizer import SYSTEM_TOKENS, SparkTokenizer
 

@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .gpt import GPT, GPTConfig
+from .model_info import DEFAULT_GENERATION
 from .tokenizer import SparkTokenizer
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ REQUIRED = ("config.json", WEIGHTS, "tokenizer.json")
 # a transformers directory may hold its weights in shards named by an index instead of model.safetensors
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_REQUIRED = ("config.json", (WEIGHTS, WEIGHTS_INDEX), "tokenizer.json")
-DEFAULT_GENERATION = {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "max_tokens": 256, "tool_use": True}
 # set to 1 to load a sparkchat model directory that has no checksums.json (its files unverified)
 TRUST_ENV = "SPARKCHAT_TRUST_UNVERIFIED_MODEL"
 
@@ -281,27 +280,6 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: SparkTokenizer, gene
         write_atomic(path / name, write)
     # last: until this rename, a directory being overwritten fails its check against the old checksums
     write_atomic(path / CHECKSUMS, _json_writer({name: file_record(path / name) for name in writers}))
-
-
-def describe_model_dir(path: str | Path) -> dict:
-    """What a model directory says about its model, without loading the weights (for a page to show):
-    `config` (config.json), `generation` (generation.json over the defaults) and `meta` (meta.json); a
-    file that is missing or unreadable gives {} (loading the model is what names a damaged directory)."""
-    def read(name: str) -> dict:
-        try:
-            data = json.loads((Path(path) / name).read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-    config = read("config.json")
-    if "model_type" in config:  # a transformers directory: its config in sparkchat's terms
-        from .hf import gpt_config, read_hf_config
-        try:
-            config = asdict(gpt_config(read_hf_config(Path(path))))
-        except (ModelDirError, OSError, ValueError):
-            config = {}
-    return {"config": config, "generation": {**DEFAULT_GENERATION, **read("generation.json")},
-            "meta": read("meta.json")}
 
 
 def build_model(config: GPTConfig, state_dict: dict[str, torch.Tensor], device, dtype) -> GPT:

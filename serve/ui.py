@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
 from model.requests import EngineStopped, QueueFull
-from model.model_dir import describe_model_dir
+from model.model_info import describe_model_dir
 from sparkchat import paths
 
 # What the default model does reliably (pipeline/synthetic.py's tasks; scores on the model line above the

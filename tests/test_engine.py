@@ -370,7 +370,7 @@ def test_chat_engine_calls_the_calculator_only_if_tool_use(serve_tokenizer, tool
     from model.chat import ToolUse, read_reply
     from model.chat_engine import chat_engine
     from model.requests import sampling_params
-    from model.model_dir import DEFAULT_GENERATION
+    from model.model_info import DEFAULT_GENERATION
     from model.tokenizer import StreamDecoder
 
     tok = serve_tokenizer

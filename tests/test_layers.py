@@ -34,3 +34,15 @@ def test_sparkchat_package_imports_no_wing_at_import_time():
                 for n in names:
                     assert n.split(".")[0] not in ("pipeline", "serve", "bench", "torch"), \
                         f"{f.relative_to(ROOT)} imports {n} at module level"
+
+
+def test_a_front_end_loads_no_torch_and_no_engine_process():
+    """A front end (the API, the chat page) talks to the engine through serve.wire only: importing it
+    loads neither torch nor the engine process's module (fails when a front-end module imports either,
+    directly or through model/)."""
+    import subprocess
+    import sys
+    code = ("import sys, serve.api, serve.ui, serve.supervisor; "
+            "print(sorted(m for m in ('torch', 'serve.engine_proc', 'model.engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
