@@ -43,7 +43,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, LaunchedStep
 from .gpt import KVCache
-from .requests import (EngineStopped, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Sink,
+from .requests import (MAX_BATCH, MAX_QUEUE, EngineStopped, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Sink,
                        Token, Tool)
 from .sampling import IDLE, ExtrasBuffers, Uniforms, logprob_info, sample_rows, settings_row, top_alternatives
 
@@ -89,10 +89,8 @@ class Request:
 
 @dataclass
 class EngineConfig:
-    max_batch: int = 16
-    """Rows of the KV cache: requests decoded together."""
-    max_queue: int = 64
-    """Requests allowed to wait for a row; one more is refused with QueueFull."""
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     max_len: int | None = None
     """Context per sequence (prompt + generated); default: the model's training context."""
     stop_ids: tuple[int, ...] = ()

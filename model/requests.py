@@ -8,6 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+# an engine's defaults (model.engine.EngineConfig), and so the server's (serve.settings)
+MAX_BATCH = 16
+"""Rows of the KV cache: requests decoded together."""
+MAX_QUEUE = 64
+"""Requests allowed to wait for a row; one more is refused with QueueFull."""
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask for at each position (OpenAI's limit on top_logprobs)."""
 MAX_PENALTY = 2.0

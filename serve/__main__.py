@@ -6,74 +6,27 @@ checks that need neither: a model directory that is not there, and a port that c
 within a second, before anything loads."""
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
 import os
 import socket
 
-from sparkchat import paths, start
+from sparkchat import start
 
-from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
+from .settings import Settings
+from .settings import parse_args as parse_settings
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
 # kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
 # was several times slower with them spinning; `python -m bench.serve` measures it). No effect on CUDA.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-API_KEY_ENV = "SPARKCHAT_API_KEY"
 log = logging.getLogger("sparkchat.serve")
+DESCRIPTION = "Serve a sparkchat model: OpenAI-compatible API under /v1 and a chat page at /."
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
-    return port
-
-
-def _at_least(low, kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
-    return parse
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sparkchat serve", description="Serve a sparkchat model: OpenAI-compatible "
-                                "API under /v1 and a chat page at /.")
-    p.add_argument("--model", default=str(paths.CHAT_MODEL),
-                   help="model directory: sparkchat's, or a Hugging Face NanoChat one such as `sparkchat export` "
-                        "writes (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require this bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="sequences decoded together (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
-                   help="generations (a request's prompts times n) that may wait for a row; a request of more "
-                        "is a 400 (default: %(default)s)")
-    p.add_argument("--api-servers", type=_at_least(1, int), default=API_SERVERS,
-                   help="front-end processes (HTTP, prompts, SSE), each on a core of its own beside the engine's "
-                        "process (default: %(default)s)")
-    p.add_argument("--stream-interval", type=_at_least(0, float), default=STREAM_INTERVAL,
-                   help="least seconds between two events of one stream; the tokens in between come in the next "
-                        "(default: %(default)s: each token at once)")
-    p.add_argument("--events-per-second", dest="events_per_s", type=_at_least(0, float), default=STREAM_EVENTS_PER_S,
-                   help="the most SSE events a second each front end sends over all its streams: with many streams "
-                        "each stream's events are spaced to fit, carrying the tokens in between; 0: no limit "
-                        "(default: %(default)s)")
-    p.add_argument("--no-ui", dest="ui", action="store_false",
-                   help="serve the API only, without the chat page at / (Gradio is then not imported; default: the page "
-                        "is served)")
-    p.add_argument("--no-access-log", dest="access_log", action="store_false",
-                   help="leave out the access log's line a request (uvicorn's; default: one a request)")
-    p.add_argument("--served-model-name", default=MODEL_ID,
-                   help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
-    return p.parse_args(argv)
+def parse_args(argv=None) -> Settings:
+    return parse_settings(argv, "sparkchat serve", DESCRIPTION)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -103,31 +56,28 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    missing = start.missing_model(args.model)
+    settings = parse_args(argv)
+    missing = start.missing_model(settings.model_dir)
     if missing:
         raise SystemExit(f"sparkchat serve: {missing}")
-    sock = bind(args.host, args.port)
+    sock = bind(settings.host, settings.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from model.model_dir import ModelDirError, verify_model_dir
     try:  # before the port listens: a damaged model stops here, instead of a server that stays unhealthy
-        verify_model_dir(args.model)
+        verify_model_dir(settings.model_dir)
     except ModelDirError as e:
         raise SystemExit(f"sparkchat serve: {e}") from None
     from model.device import resolve_device
     try:  # a device this machine lacks stops here too, not in the engine's load after the port opened
-        resolve_device(args.device)
+        resolve_device(settings.device)
     except ValueError as e:
         raise SystemExit(f"sparkchat serve: --device {e}; leave --device out to use what there is") from None
     from .supervisor import run
-    settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
-                    max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval,
-                    events_per_s=args.events_per_s, ui=args.ui)
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
     log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "
-             "once the model has loaded)", host, sock.getsockname()[1], args.api_servers,
-             "the chat page at /, " if args.ui else "")
-    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log))
+             "once the model has loaded)", host, sock.getsockname()[1], settings.api_servers,
+             "the chat page at /, " if settings.ui else "")
+    raise SystemExit(run(settings, sock))
 
 
 if __name__ == "__main__":

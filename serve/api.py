@@ -9,7 +9,7 @@
     /                           the Gradio chat page (ui.py), same engine
 
 This app is one front end: the engine runs in a process of its own (serve.engine_proc), which the app
-starts, or connects to when `Settings.engine_address` names one (`sparkchat serve`'s front ends). It
+starts, or connects to when `Settings.engine_address` (serve/settings.py) names one (`sparkchat serve`'s front ends). It
 connects in a background thread started by the lifespan, so the port answers (and /health says 503)
 at once; state lives on `app.state`: `settings`, `metrics`, `runtime` (None until loaded).
 """
@@ -20,67 +20,21 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from sparkchat import paths
-
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL, completions, errors, responses, serving
+from . import completions, errors, responses, serving
 from .errors import APIError, engine_stopped
-from .guard import MAX_BODY_BYTES, V1Guard
+from .guard import V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
+from .settings import Settings
 from .sse import SERVER_SEND, EventStream
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
 log = logging.getLogger("sparkchat.serve")
-
-
-@dataclass
-class Settings:
-    model_dir: Path = paths.CHAT_MODEL
-    """A directory written by model.model_dir.save_model_dir (the pipeline's final stage), or a Hugging Face
-    NanoChat directory (model/hf.py: what `sparkchat export` writes, or a published NanoChat checkpoint)."""
-    device: str | None = None
-    """torch device; default cuda when available, else cpu."""
-    api_key: str | None = None
-    """If set, /v1 requires 'Authorization: Bearer <key>' (and the chat page asks for it)."""
-    max_batch: int = MAX_BATCH
-    """Sequences decoded together (KV-cache rows)."""
-    max_queue: int = MAX_QUEUE
-    """Requests that may wait for a row; beyond that, 429."""
-    max_body: int = MAX_BODY_BYTES
-    model_id: str = MODEL_ID
-    ui: bool = True
-    """Mount the Gradio page at /."""
-    stream_interval: float = STREAM_INTERVAL
-    """Least seconds between two SSE events of one stream (tokens in between join the next); 0: each
-    as soon as it is there. A stream whose client fell behind gets its tokens in one event either way."""
-    events_per_s: float = STREAM_EVENTS_PER_S
-    """The most SSE events a second this front end sends over all its streams (0: no limit)."""
-    engine_address: str | None = None
-    """The Unix socket of a running engine process to use (`sparkchat serve` passes its own); None:
-    start one for this app."""
-    engine_authkey: bytes | None = None
-    serve_while_loading: bool = True
-    """Take connections while the engine loads (answering 503, /health "loading"); False: take none until
-    it has, as `sparkchat serve` starts every front end but its first, and any it starts again: the kernel
-    then never hands a connection to a front end that cannot serve it while another can."""
-
-    def __post_init__(self):
-        self.model_dir = Path(self.model_dir)
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if not self.stream_interval >= 0:
-            raise ValueError(f"stream_interval must be >= 0 seconds, got {self.stream_interval}")
-        if not self.events_per_s >= 0:
-            raise ValueError(f"events_per_s must be >= 0, got {self.events_per_s}")
 
 
 def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threading.Thread:
@@ -250,7 +204,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     app.state.started = int(time.time())
     errors.install(app)
     app.include_router(router)
-    app.add_middleware(V1Guard, api_key=settings.api_key, max_body=settings.max_body, metrics=metrics)
+    app.add_middleware(V1Guard, max_body=settings.max_body, api_key=settings.api_key, metrics=metrics)
     if settings.ui:
         from .ui import mount_ui
         mount_ui(app, settings)

@@ -11,12 +11,11 @@ import json
 
 from .errors import error_body
 
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
 COUNTED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # what sparkchat_requests_total counts
 
 
 class V1Guard:
-    def __init__(self, app, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, metrics=None):
+    def __init__(self, app, max_body: int, api_key: str | None = None, metrics=None):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
 
     async def _reply(self, send, status: int, message: str, code: str, headers=()):

@@ -29,10 +29,10 @@ from model.chat import ReplyReader, ToolUse, cut_parts, render
 from model.requests import Finished, PromptLogprobs, SamplingParams, Token, sampling_params
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 from .engine_link import EngineLink
 from .metrics import Metrics
 from .processes import EngineProcess
+from .settings import Settings
 from .wire import connect, spacing
 
 if TYPE_CHECKING:
@@ -292,10 +292,10 @@ class Runtime:
     link: EngineLink
     defaults: dict
     metrics: Metrics
-    model_id: str = MODEL_ID
-    stream_interval: float = STREAM_INTERVAL
+    model_id: str = Settings.model_id
+    stream_interval: float = Settings.stream_interval
     """Least seconds between two pieces of one stream (0: each as soon as it is there)."""
-    events_per_s: float = STREAM_EVENTS_PER_S
+    events_per_s: float = Settings.events_per_s
     """The most pieces a second over all this front end's streams (0: no limit): with many streams each
     stream's pieces are spaced (streams / events_per_s) seconds apart."""
     engine: "Engine | None" = None
@@ -321,8 +321,8 @@ class Runtime:
         return cls.over(EngineLink.open(connect(address, authkey)), metrics, **fields)
 
     @classmethod
-    def spawn(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
-              max_queue: int = MAX_QUEUE, **fields) -> "Runtime":
+    def spawn(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = Settings.max_batch,
+              max_queue: int = Settings.max_queue, **fields) -> "Runtime":
         """Start an engine process of its own (stopped on close) and connect to it."""
         proc = EngineProcess(model_dir, device, max_batch, max_queue)
         try:
@@ -333,8 +333,8 @@ class Runtime:
         return cls.over(link, metrics, process=proc, **fields)
 
     @classmethod
-    def in_process(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = MAX_BATCH,
-                   max_queue: int = MAX_QUEUE, **fields) -> "Runtime":
+    def in_process(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = Settings.max_batch,
+                   max_queue: int = Settings.max_queue, **fields) -> "Runtime":
         """The engine in a thread of this process, over the same channel (a pipe)."""
         from .engine_proc import EngineHost, load_engine
         engine, info = load_engine(model_dir, device, max_batch, max_queue)

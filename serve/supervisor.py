@@ -13,6 +13,7 @@ Every child leaves when this process does (serve.processes.exit_with_parent).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ import time
 from multiprocessing.connection import wait
 
 from .metrics import MULTIPROC_ENV
+from .settings import Settings
 
 log = logging.getLogger("sparkchat.serve")
 
@@ -38,17 +40,17 @@ QUICK_EXITS = 5
 STOP_S = 10.0  # on SIGINT/SIGTERM the front ends have this long, together, to finish their streams
 
 
-def frontend_main(settings: dict, sock: socket.socket, log_level: str, access_log: bool = True) -> None:
+def frontend_main(settings: Settings, sock: socket.socket, log_level: str) -> None:
     """One front-end process: the FastAPI app over the running engine process, served by uvicorn on `sock`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .processes import exit_with_parent, freeze_heap
     threading.Thread(target=exit_with_parent, daemon=True).start()
     import uvicorn
 
-    from .api import Settings, create_app
-    app = create_app(Settings(**settings))
+    from .api import create_app
+    app = create_app(settings)
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=settings.access_log))
 
     def leave(why: str) -> None:  # on the loop: give the open streams a moment to send their error
         server.should_exit = True  # and take no new connection meanwhile (the other front ends do)
@@ -61,23 +63,22 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str, access_lo
     server.run(sockets=[sock])
 
 
-def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info",
-        access_log: bool = True) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1). `settings`:
-    serve.api.Settings' fields, less the engine's address, which this function fills in."""
+def run(settings: Settings, sock: socket.socket, log_level: str = "info") -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1), with
+    `settings.api_servers` front ends on `sock`; this function fills in the engine's address."""
     from .processes import EngineProcess
     metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
-    engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"],
+    engine = EngineProcess(settings.model_dir, settings.device, settings.max_batch, settings.max_queue,
                            exit_on_failed_load=True)
-    frontend = {**settings, "engine_address": engine.address, "engine_authkey": engine.authkey}
+    frontend = dataclasses.replace(settings, engine_address=engine.address, engine_authkey=engine.authkey)
     ctx = multiprocessing.get_context("spawn")
 
     def start(i: int, first: bool = False):
         # only the first front end answers "loading" while the engine loads; the others, and any started
         # again, join once they reach it (serve.api.Settings.serve_while_loading)
         p = ctx.Process(target=frontend_main,
-                        args=({**frontend, "serve_while_loading": first}, sock, log_level, access_log),
+                        args=(dataclasses.replace(frontend, serve_while_loading=first), sock, log_level),
                         name=f"sparkchat-frontend-{i}")
         p.start()
         return p
@@ -85,6 +86,7 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    api_servers = settings.api_servers
     frontends = [start(i, first=i == 0) for i in range(api_servers)]
     started = [time.monotonic()] * api_servers
     quick = [0] * api_servers  # exits in a row within QUICK_EXIT_S of the start

@@ -458,9 +458,19 @@ def test_cli_defaults(monkeypatch):
     from serve.__main__ import parse_args
     monkeypatch.setenv("SPARKCHAT_API_KEY", "k")
     a = parse_args([])
-    assert (a.model, a.host, a.port, a.api_key) == ("artifacts/model", "127.0.0.1", 8000, "k")
-    assert a.served_model_name == Settings().model_id  # the flag's default is the server's
-    assert parse_args(["--served-model-name", "my-chat"]).served_model_name == "my-chat"
+    assert (str(a.model_dir), a.host, a.port, a.api_key) == ("artifacts/model", "127.0.0.1", 8000, "k")
+    assert a == Settings(api_key="k")  # the flags' defaults are the server's
+    assert parse_args(["--served-model-name", "my-chat"]).model_id == "my-chat"
+    assert parse_args(["--no-ui", "--max-batch", "4"]) == Settings(api_key="k", ui=False, max_batch=4)
+
+
+@pytest.mark.parametrize("flag, value, says", [("--max-batch", "0", "--max-batch must be >= 1, got 0"),
+                                               ("--port", "70000", "--port must be in [0, 65535], got 70000"),
+                                               ("--stream-interval", "-1", "--stream-interval must be >= 0.0"),
+                                               ("--max-batch", "two", "--max-batch: invalid int value: 'two'")])
+def test_cli_refuses_a_bad_value_naming_the_flag(flag, value, says):
+    out = subprocess.run([sys.executable, "-m", "serve", flag, value], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
 
 
 def test_served_model_name(serve_start, serve_model_dir):
