@@ -89,7 +89,8 @@ def parser(prog: str = "sparkchat serve", description: str | None = None) -> arg
         if f.metadata["env"]:
             default = os.environ.get(f.metadata["env"], default)
         if isinstance(f.default, bool):
-            p.add_argument("--no-" + name[2:], dest=f.name, action="store_false", help=f.metadata["help"])
+            p.add_argument("--no-" + name[2:], dest=f.name, action="store_false",
+                           help=f"{f.metadata['help']} (default: {name[2:]} on)")
             continue
         kind = {int: int, float: float}.get(type(f.default), str)
         shown = "" if f.metadata["env"] or default is None else f" (default: {default})"

@@ -126,7 +126,7 @@ def test_a_busy_port_is_said_before_the_model_loads(serve_model_dir):
     assert f"sparkchat serve: port {port} on 127.0.0.1 is in use" in said and "--port" in said, said
     assert heavy == []  # said before torch, FastAPI or the model loaded
     said, _ = run_main(["serve", "--model", str(serve_model_dir), "--port", "70000"])
-    assert "a port is 0-65535, got 70000" in said
+    assert "--port must be in [0, 65535], got 70000" in said
 
 
 @pytest.mark.parametrize("cmd", ["serve", "chat"])

@@ -298,13 +298,14 @@ def test_a_front_end_failing_at_its_start_ends_the_server(long_model_dir):
               "logging.basicConfig(level=logging.INFO)\n"
               "sock = socket.socket()\n"
               "sock.bind(('127.0.0.1', 0))\n"
-              f"sys.exit(run(Settings(model_dir={str(long_model_dir)!r}, device='cpu', max_batch=2, max_queue=4), "
-              "sock, log_level='no-such-level'))\n")
+              f"sys.exit(run(Settings(model_dir={str(long_model_dir)!r}, device='cpu', max_batch=2, max_queue=4, "
+              "ui=False), sock, log_level='no-such-level'))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr[-2000:]
-    assert r.stderr.count("KeyError: 'no-such-level'") == QUICK_EXITS
+    # (the first start, with the engine loading beside it, may outlast QUICK_EXIT_S on a loaded machine)
+    assert QUICK_EXITS <= r.stderr.count("KeyError: 'no-such-level'") <= QUICK_EXITS + 1
     assert "starting it again in 1 s" in r.stderr and "starting it again in 4 s" in r.stderr
     assert f"front end 0 exited {QUICK_EXITS} times in a row" in r.stderr
     assert time.monotonic() - t0 >= 1 + 2 + 4  # it waited between the tries
