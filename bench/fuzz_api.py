@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.stats import fmt, spread  # noqa: E402
+from bench.stats import fmt, save_json, spread  # noqa: E402
 from sparkchat import paths  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
           f"server errors {fmt(s['server_errors'], ',.0f')}; schemathesis's check failures: "
           f"{', '.join(s['schemathesis_failures']) or 'none'}")
     if args.out:
-        (args.out / "fuzz.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n")
+        save_json(stats, args.out / "fuzz.json", indent=1)
     return stats
 
 

@@ -42,11 +42,15 @@ def speedup(ref: list[float], other: list[float], digits: int = 4) -> dict:
             "n": min(len(ref), len(other))}
 
 
-def save_json(res: dict, out: str | None) -> None:
-    """The results as indented JSON at `out` (its folder made), when one is given."""
+def save_json(res: dict, out: str | Path | None, indent: int = 2) -> None:
+    """The results as indented JSON at `out` (its folder made), when one is given, with what ran first:
+    `bench.provenance`'s record (commit or tree hash, command, device, versions, date) under `provenance`.
+    The one writer of raw results, so none goes without it."""
     if out:
+        from bench.provenance import provenance
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+        body = {"provenance": provenance(), **{k: v for k, v in res.items() if k != "provenance"}}
+        Path(out).write_text(json.dumps(body, indent=indent, ensure_ascii=False) + "\n")
 
 
 def own_peak_rss_mib() -> float:
