@@ -55,6 +55,25 @@ def check(root: Path) -> list[str]:
     return problems
 
 
+def heading_problems(root: Path) -> list[str]:
+    """A results page cited with a heading (`serving.md, "The collector"`, in a page or in code) must
+    have that heading: the pages' tables move, the code's pointers must follow."""
+    results: dict[str, set[str]] = {p.stem: set() for p in (root / "bench" / "results").glob("*.md")}
+    for p in [*(root / "bench" / "results").glob("*.md"), *(root / "docs").glob("*.md")]:  # docs/serving.md too
+        if p.stem in results:
+            results[p.stem] |= {m.strip() for m in re.findall(r"^#+ (.+)$", p.read_text(), re.M)}
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=root, capture_output=True, text=True).stdout
+    out = []
+    for name in sorted(set(listed.split()) | {str(p.relative_to(root)) for p in pages(root)}):
+        if not (root / name).is_file():
+            continue
+        for page, heading in re.findall(r"([\w-]+)\.md[`)\]]*,? \"([^\"]+)\"", (root / name).read_text()):
+            heading = re.sub(r"\s*\n\s*#?\s*", " ", heading)  # wrapped, in a comment or not
+            if page in results and heading not in results[page] and name != "bench/results/LOG.md":
+                out.append(f"{name} cites {page}.md, \"{heading}\", which has no such heading")
+    return out
+
+
 def provenance_problems(path: Path) -> list[str]:
     try:
         data = json.loads(path.read_text())
@@ -72,6 +91,11 @@ def provenance_problems(path: Path) -> list[str]:
 
 def test_every_cited_raw_file_exists_every_raw_file_is_cited_and_says_what_ran():
     problems = check(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_cited_heading_of_a_results_page_exists():
+    problems = heading_problems(ROOT)
     assert not problems, "\n".join(problems)
 
 
@@ -141,3 +165,12 @@ def test_the_tree_hash_is_the_same_with_and_without_git():
         pytest.skip("not a git checkout")
     assert code_files(True) == code_files(False)
     assert tree_hash(True) == tree_hash(False)
+
+
+def test_a_cited_heading_that_is_gone_fails(tree):
+    for p in (ROOT / "docs").glob("*.md"):  # the headings of docs/serving.md count too
+        (tree / "docs" / p.name).write_text(p.read_text())
+    assert heading_problems(tree) == []
+    readme = tree / "README.md"
+    readme.write_text(readme.read_text() + "\nSee bench/results/serving" + '.md, "Trees in\nturn".\n')
+    assert heading_problems(tree) == ["README.md cites serving" + '.md, "Trees in turn", which has no such heading']
