@@ -174,3 +174,14 @@ def test_a_cited_heading_that_is_gone_fails(tree):
     readme = tree / "README.md"
     readme.write_text(readme.read_text() + "\nSee bench/results/serving" + '.md, "Trees in\nturn".\n')
     assert heading_problems(tree) == ["README.md cites serving" + '.md, "Trees in turn", which has no such heading']
+
+
+def test_raw_json_is_compact_and_the_same_json():
+    from bench.stats import dumps
+    data = {"losses": [round(1 / (i + 1), 6) for i in range(1000)], "spread": {"median": 1.0, "min": 0.5, "max": 2},
+            "rounds": [{"tokens": i, "text": "ü"} for i in range(3)], "empty": [], "none": None}
+    text = dumps(data)
+    assert json.loads(text) == data
+    assert len(text.splitlines()) < 150  # 1,000 numbers a few to a line, not one a line
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert '"spread": {"median": 1.0, "min": 0.5, "max": 2}' in text and "ü" in text
