@@ -56,7 +56,7 @@ def dumps(x, indent: int = 2, width: int = 100, _level: int = 0) -> str:
     if all(not isinstance(v, (dict, list)) for v in x):  # scalars: as many a line as fit
         lines, line = [], []
         for item in (json.dumps(v, ensure_ascii=False) for v in x):
-            if line and len(inner) + sum(len(i) + 2 for i in line) + len(item) > width:
+            if line and len(inner) + sum(len(i) + 2 for i in line) + len(item) + 1 > width:
                 lines.append(", ".join(line))
                 line = []
             line.append(item)
