@@ -1,10 +1,11 @@
 """Property-based fuzzing of the OpenAI API from its own OpenAPI document, with schemathesis.
 
 Runs schemathesis's own runner (`st run`: the examples, coverage and fuzzing phases, valid and
-invalid requests, every check) against a live server, `--runs` times with seeds `--seed`, `--seed`+1, ..., with `model` pinned to the served name in nine
-requests of ten (bench/fuzz_hooks.py), so valid requests reach generation. Every request and response
-is recorded (a HAR file) and counted here: the gate is no 5xx in any run; schemathesis's own check
-failures (conformance to the document) are reported too, and each count's median and range over the runs.
+invalid requests, every check) against a live server, `--runs` times with seeds `--seed`, `--seed`+1,
+..., with `model` pinned to the served name in nine requests of ten (bench/fuzz_hooks.py), so valid
+requests reach generation. Every request and response is recorded (a HAR file) and counted here: the
+gate is no 5xx in any run; schemathesis's own check failures (conformance to the document) are reported
+too, and each count's median and range over the runs.
 
     python bench/fuzz_api.py                          # the real server over artifacts/model, 3 runs
     python bench/fuzz_api.py --examples 100 --out DIR # DIR/fuzz.json (every run and the summary),
