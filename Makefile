@@ -17,6 +17,7 @@ repro: install
 	$(PYTHON) -m sparkchat.repro_check   # which tracked results differ from the committed run, and why
 
 test: install
+	$(PYTHON) -m ruff check .   # pyflakes, syntax errors, line length (pyproject.toml, [tool.ruff])
 	$(PYTHON) -m pytest -q
 
 serve:

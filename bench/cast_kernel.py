@@ -13,14 +13,13 @@ the copy (of the medians; its range over every pair of rounds).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from model.precision import fp8_cast
 
-from .stats import fmt, speedup, spread
+from .stats import fmt, save_json, speedup, spread
 from .train_step import cuda_rounds
 
 SHAPES = [(1280, "none"), (3840, "none"), (5120, "none"), (5120, "srelu"), (5120, "srelu_grad")]
@@ -83,8 +82,7 @@ def main():
         raise SystemExit("bench.cast_kernel times a Triton kernel: it needs a CUDA GPU with Triton")
     rows = run(a.tokens, a.rounds, a.calls)
     if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "cast_kernel.json").write_text(json.dumps(rows, indent=1))
+        save_json({"rows": rows}, Path(a.out) / "cast_kernel.json", indent=1)
 
 
 if __name__ == "__main__":

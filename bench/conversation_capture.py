@@ -12,7 +12,6 @@ Needs Debian's chromium, the playwright package and tmux.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.stats import save_json
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +170,7 @@ def main(argv=None) -> None:
     server = start_server(cwd, args.model, port)
     try:
         url = f"http://127.0.0.1:{port}"
-        (args.out / "api_tool_answer.json").write_text(json.dumps(api_answer(url, TOOL_QUESTION), indent=2) + "\n")
+        save_json(api_answer(url, TOOL_QUESTION), args.out / "api_tool_answer.json")
         gradio_captures(url, args.out)
     finally:
         server.terminate()

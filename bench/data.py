@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .corpus import parse_size, write_corpus
-from .stats import fmt, own_peak_rss_mib, ratios, spread
+from .stats import fmt, own_peak_rss_mib, ratios, save_json, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("prepare", "tokenizer", "tokenize")
@@ -179,9 +179,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(dir=a.work) as work:
         result = run(sizes, a.vocab, a.rounds, Path(work))
     print(table(result["summary"], sizes))
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_json(result, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from model.precision.base import compile_model, describe_device
 from model.precision.probe import StepClock, markov_tokens, model_config
 from pipeline.runtime import setup_distributed
 
-from .stats import fmt, spread
+from .stats import fmt, save_json, spread
 
 MODES = ("none", "ddp", "fsdp")
 
@@ -204,7 +203,7 @@ def main(argv=None) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             compare(results, a.loss_tol_pct)
-            (out / "fsdp.json").write_text(json.dumps(dict(head, results=results), indent=1) + "\n")
+            save_json(dict(head, results=results), out / "fsdp.json", indent=1)
     log(f"\n| backend | mode | steps | tok/s (steps {a.warmup}-{a.warmup + a.timing_steps - 1}, median (range) of {a.rounds} rounds) "
         "| vs none | fwd+bwd ms | loss | vs none | peak GiB | compile s |")
     log("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -1,10 +1,11 @@
 """Property-based fuzzing of the OpenAI API from its own OpenAPI document, with schemathesis.
 
 Runs schemathesis's own runner (`st run`: the examples, coverage and fuzzing phases, valid and
-invalid requests, every check) against a live server, `--runs` times with seeds `--seed`, `--seed`+1, ..., with `model` pinned to the served name in nine
-requests of ten (bench/fuzz_hooks.py), so valid requests reach generation. Every request and response
-is recorded (a HAR file) and counted here: the gate is no 5xx in any run; schemathesis's own check
-failures (conformance to the document) are reported too, and each count's median and range over the runs.
+invalid requests, every check) against a live server, `--runs` times with seeds `--seed`, `--seed`+1,
+..., with `model` pinned to the served name in nine requests of ten (bench/fuzz_hooks.py), so valid
+requests reach generation. Every request and response is recorded (a HAR file) and counted here: the
+gate is no 5xx in any run; schemathesis's own check failures (conformance to the document) are reported
+too, and each count's median and range over the runs.
 
     python bench/fuzz_api.py                          # the real server over artifacts/model, 3 runs
     python bench/fuzz_api.py --examples 100 --out DIR # DIR/fuzz.json (every run and the summary),
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.stats import fmt, spread  # noqa: E402
+from bench.stats import fmt, save_json, spread  # noqa: E402
 from sparkchat import paths  # noqa: E402
 
 
@@ -131,7 +132,7 @@ def main(argv=None) -> dict:
           f"server errors {fmt(s['server_errors'], ',.0f')}; schemathesis's check failures: "
           f"{', '.join(s['schemathesis_failures']) or 'none'}")
     if args.out:
-        (args.out / "fuzz.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n")
+        save_json(stats, args.out / "fuzz.json", indent=1)
     return stats
 
 

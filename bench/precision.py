@@ -12,7 +12,6 @@ of rounds). The whole model: `python -m bench.probe_spread`.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch.nn as nn
 from model.gpt import MLP, GPTConfig, norm
 from model.precision import LayerFilter, get_backend
 
-from .stats import fmt, speedup, spread
+from .stats import fmt, save_json, speedup, spread
 from .train_step import cuda_rounds
 
 
@@ -124,7 +123,7 @@ def main(argv=None):
     if a.out:
         d = Path(a.out)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "precision_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        save_json(result, d / "precision_bench.json", indent=1)
         (d / "precision_bench.md").write_text(md)
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .stats import fmt, spread
+from .stats import fmt, save_json, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {  # summary key: (probe.json field, digits)
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     summary = summarise([json.loads(p.read_text()) for p in paths])
     summary["files"] = [str(p) for p in paths]
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "probe_spread.json").write_text(json.dumps(summary, indent=1) + "\n")
+    save_json(summary, a.out / "probe_spread.json", indent=1)
     md = to_markdown(summary)
     (a.out / "probe_spread.md").write_text(md)
     print(md)

@@ -517,7 +517,7 @@ def main(argv=None) -> dict:
     res: dict = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({os.cpu_count()} cores)",
                  "torch": torch.__version__, "command": "python -m bench.serve_gpu " + " ".join(argv or sys.argv[1:]),
                  "load_average_at_start": os.getloadavg(), "cpu_count": os.cpu_count(),
-                 "torch_threads": torch.get_num_threads(), "commit": git_commit()}
+                 "torch_threads": torch.get_num_threads()}  # commit, versions, date: save_json's provenance
     if args.trained:  # a trained model's logits are peaked: greedy ids are not decided by rounding
         from model.chat import render
         from model.model_dir import load_model_dir
@@ -596,26 +596,6 @@ def gpu_checks(model, args, levels: list[int], vocab: int, weight_bytes: int, re
     print(f"greedy ids of the random d{args.depth}, graphs vs eager (near-ties: its logits are almost flat): "
           f"{res['greedy_vs_eager_random']}", flush=True)
     return bound_ms
-
-
-def git_commit() -> str | None:
-    """The commit this run's code is at (a `+` when the tree has changes), or None when this code is not
-    a git work tree's own (outside git, or an exported tree copied into another checkout, whose HEAD is
-    not this code's)."""
-    import subprocess
-    root = Path(__file__).resolve().parent.parent
-    try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        if Path(top).resolve() != root:
-            return None
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+" if dirty else "")
 
 
 if __name__ == "__main__":

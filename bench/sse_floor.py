@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     import psutil
 
     from bench.serve import client_processes, rounds_in_processes, running_server
-    from bench.stats import fmt, spread
+    from bench.stats import fmt, save_json, spread
     res = {"command": "python -m bench.sse_floor " + " ".join(argv or sys.argv[1:]), "streams": args.streams,
            "tick_s": args.tick, "new_tokens": args.new, "cpu_count": os.cpu_count(), "levels": {}}
     for per in [int(x) for x in args.tokens_per_event.split(",")]:
@@ -106,9 +106,7 @@ def main(argv=None) -> dict:
         s = spread(r["server_cpu_us_per_token"] for r in rounds)
         res["levels"][per] = {"rounds": rounds, "server_cpu_us_per_token": s}
         print(f"{per} token(s) an event, {args.streams} streams: {fmt(s, '.1f')} us of server CPU a token", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, args.out, indent=1)
     return res
 
 

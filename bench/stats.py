@@ -42,11 +42,38 @@ def speedup(ref: list[float], other: list[float], digits: int = 4) -> dict:
             "n": min(len(ref), len(other))}
 
 
-def save_json(res: dict, out: str | None) -> None:
-    """The results as indented JSON at `out` (its folder made), when one is given."""
+def dumps(x, indent: int = 2, width: int = 100, _level: int = 0) -> str:
+    """JSON, indented, but a list or object whose one-line form fits in `width` stays on one line: a
+    round's figures or a step's losses read as a row, and raw files stay a few lines long in git."""
+    flat = json.dumps(x, ensure_ascii=False)
+    if not isinstance(x, (dict, list)) or not x or len(flat) + indent * _level <= width:
+        return flat
+    pad, inner = " " * indent * _level, " " * indent * (_level + 1)
+    if isinstance(x, dict):
+        body = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {dumps(v, indent, width, _level + 1)}"
+                for k, v in x.items()]
+        return "{\n" + ",\n".join(body) + "\n" + pad + "}"
+    if all(not isinstance(v, (dict, list)) for v in x):  # scalars: as many a line as fit
+        lines, line = [], []
+        for item in (json.dumps(v, ensure_ascii=False) for v in x):
+            if line and len(inner) + sum(len(i) + 2 for i in line) + len(item) + 1 > width:
+                lines.append(", ".join(line))
+                line = []
+            line.append(item)
+        lines.append(", ".join(line))
+        return "[\n" + ",\n".join(inner + ln for ln in lines) + "\n" + pad + "]"
+    return "[\n" + ",\n".join(inner + dumps(v, indent, width, _level + 1) for v in x) + "\n" + pad + "]"
+
+
+def save_json(res: dict, out: str | Path | None, indent: int = 2) -> None:
+    """The results as indented JSON at `out` (its folder made), when one is given, with what ran first:
+    `bench.provenance`'s record (commit or tree hash, command, device, versions, date) under `provenance`.
+    The one writer of raw results, so none goes without it."""
     if out:
+        from bench.provenance import provenance
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+        body = {"provenance": provenance(), **{k: v for k, v in res.items() if k != "provenance"}}
+        Path(out).write_text(dumps(body, indent) + "\n")
 
 
 def own_peak_rss_mib() -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -33,7 +32,7 @@ from model.precision.options import TEFp8Options
 from model.precision.base import compile_model
 from model.precision.probe import build_under, entry_filter, expand_entries, markov_tokens, model_config
 
-from .stats import fmt, speedup, spread
+from .stats import fmt, save_json, speedup, spread
 
 ATTENTION = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -246,8 +245,7 @@ def main(argv=None):
             log(f"    one-matrix-at-a-time Muon (earlier optimizer, NS only): {rows[-1]['per_matrix_muon_ms']:.1f} ms")
             del ref
         if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "train_step.json").write_text(json.dumps({**out, "variants": rows}, indent=1) + "\n")
+            save_json({**out, "variants": rows}, Path(a.out) / "train_step.json", indent=1)
     base = next((r for r in rows if "error" not in r), None)
     trained = " | after training: ms | tok/s | vs first" if a.train_steps else ""
     log(f"\n| variant | micro-step ms, median (range) of {a.iters} | tok/s | vs first (range over pairs) | MFU | optimizer ms "

@@ -54,6 +54,17 @@ class ModelParams(Settings):
     def n_head(self) -> int:
         return self.n_embd // self.head_dim
 
+    @property
+    def n_kv_head(self) -> int:
+        return self.n_head // self.kv_head_ratio
+
+    def gpt_config(self, vocab_size: int) -> dict:
+        """The GPT this shape builds, for a tokenizer of `vocab_size` ids: `model.gpt.GPTConfig`'s fields
+        (`GPTConfig(**...)`; a dict, so that reading params imports neither torch nor the model's code,
+        and no stage that only reads params depends on model/gpt.py)."""
+        return {"vocab_size": vocab_size, "n_layer": self.depth, "n_embd": self.n_embd, "n_head": self.n_head,
+                "n_kv_head": self.n_kv_head, "seq_len": self.seq_len}
+
     def check(self, key: str) -> None:
         super().check(key)
         if self.n_embd % self.head_dim:
@@ -536,10 +547,6 @@ class _Undeclared:
         stage, section = self._where
         raise ConfigError(f"stage '{stage}' read {section}.{name}, but '{section}' is not among the sections it "
                           f"declares (pipeline/config.py STAGE_SECTIONS['{stage}']): add it there")
-
-
-def n_kv_head(m: ModelParams) -> int:
-    return m.n_head // m.kv_head_ratio
 
 
 def steps_for_tokens(tokens: float, total_batch_tokens: int) -> int:

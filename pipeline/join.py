@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         if joined:  # one of the ranks started below
             os.environ.update(joined)
             from .rl import STAGE as RL, rl_started
-            from .train import start, train_started
+            from .stage import start
+            from .train import train_started
             started = start(None, p)  # global rank 0 says which stage runs
             (rl_started if started[0] == RL else train_started)(*started)
             return

@@ -87,11 +87,8 @@ def _matmul_params(p: Params) -> int:
     """Parameters outside the embedding table, counted on a model built on the meta device (no memory)."""
     import torch
     from model.gpt import GPT, GPTConfig
-    from .config import n_kv_head
-    m = p.model
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=p.tokenizer.vocab_size, n_layer=m.depth, n_embd=m.n_embd, n_head=m.n_head,
-                              n_kv_head=n_kv_head(m), seq_len=m.seq_len))
+        model = GPT(GPTConfig(**p.model.gpt_config(p.tokenizer.vocab_size)))
     return model.num_params() - model.wte.weight.numel()
 
 

@@ -11,10 +11,11 @@ through the project's engine (batched, a seed per request, the calculator in the
 KL term, no reference model. Held-out pass@1 (greedy) and pass@k (k sampled replies) of every task trained
 on are measured before and after (and every `rl.eval_every` steps).
 
-Runs as the training stages do (pipeline/train.py): under the precision backend (the policy-gradient steps),
-on several ranks under DDP or FSDP (each rank rolls out its share of the prompts; under FSDP from a whole
-copy of the weights gathered each step), with checkpoints that resume bit-exactly: a step's prompts and
-every request's sampling seed follow from (rl.seed, step), and the rollouts' batches from the requests.
+Runs on the skeleton the training stages share (pipeline/stage.py: start, setup, resume, save, finish):
+under the precision backend (the policy-gradient steps), on several ranks under DDP or FSDP (each rank
+rolls out its share of the prompts; under FSDP from a whole copy of the weights gathered each step), with
+checkpoints that resume bit-exactly: a step's prompts and every request's sampling seed follow from
+(rl.seed, step), and the rollouts' batches from the requests.
 With `rl.enabled: false` the SFT model is copied unchanged to where the chat model goes.
 """
 from __future__ import annotations
@@ -31,21 +32,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.chat_engine import chat_engine
-from model.model_dir import CHECKSUMS, ModelDirError, NoRoomError, build_model, load_model_dir, portable_state_dict, \
-    save_model_dir, verify_model_dir
+from model.model_dir import CHECKSUMS, build_model, load_model_dir, portable_state_dict, verify_model_dir
 from model.optim import build_optimizer
-from model.parallel import all_gather, ddp, fsdp, full_state_dict
+from model.parallel import all_gather, ddp, fsdp
 from sparkchat import paths
 
 from .benchmarks import BenchmarkError
-from .checkpoint import LAST_DIR, fingerprint, load_checkpoint, load_sharded, remove_checkpoints, save_checkpoint, \
-    save_sharded, set_rng_state
-from .config import ConfigError, Params, load_params, resolve_source
-from .data import DataError
+from .checkpoint import fingerprint
+from .config import Params, resolve_source
 from .metrics import TSVLog, write_reports
 from .rollouts import PromptSource, advantages, heldout, loss_batch, loss_rows, pass_at, policy_loss, rollouts
-from .runtime import LaunchError, launch, log
-from .train import setup_stage, stage_backend, start
+from .runtime import LaunchError, log
+from .stage import finish_stage, load_state, save_state, setup_stage, stage_main, start
 
 STAGE = "rl"
 INIT = paths.MODEL_DIRS["sft"]
@@ -76,10 +74,6 @@ class RLRun:
     def sharded(self) -> bool:
         return self.p.runtime.parallel == "fsdp"
 
-    @property
-    def ckpt_path(self) -> Path:
-        return paths.checkpoint_dir(STAGE) / "last.pt"
-
 
 def build(p: Params, backend, device, rank: int, world: int) -> RLRun:
     r = p.rl
@@ -105,17 +99,9 @@ def resume(run: RLRun) -> int:
     inputs += [Path(resolve_source(s)) for s in (run.r.gsm8k_train, run.r.gsm8k_test) if s and not s.startswith("hub:")]
     run.fp = fingerprint({"stage": STAGE, "rl": asdict(run.r), "precision": asdict(p.precision),
                           "backend": run.backend.name, "parallel": p.runtime.parallel}, inputs)
-    if run.sharded:
-        state, msg = load_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, run.fp)
-    else:
-        state, msg = load_checkpoint(run.ckpt_path, run.fp)
-        if state is not None:
-            run.model.load_state_dict(state["model"], strict=False)
-            run.optimizer.load_state_dict(state["optimizer"])
-    log(f"{STAGE}: {msg}")
+    state = load_state(STAGE, run.sharded, run.model, run.optimizer, run.fp)
     if state is None:
         return 0
-    set_rng_state(state["rng"])
     run.history = state["extra"]
     return state["step"]
 
@@ -261,11 +247,7 @@ def loop(run: RLRun, start_step: int) -> float:
 
 
 def save(run: RLRun, done: int) -> None:
-    if run.sharded:
-        save_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, done, {}, run.fp,
-                     run.history)
-    elif run.rank == 0:
-        save_checkpoint(run.ckpt_path, run.model, run.optimizer, done, {}, run.fp, run.history)
+    save_state(STAGE, run.sharded, run.rank, run.model, run.optimizer, done, {}, run.fp, run.history)
 
 
 def mean_over_tasks(scores: dict, key: str) -> float:
@@ -289,16 +271,11 @@ def finish(run: RLRun, seconds: float, steps_run: int) -> dict:
                "params": run.model.num_params()}
     timings = {"seconds": round(seconds, 1),
                "rollouts_per_s": round(steps_run * r.prompts_per_step * r.samples / seconds, 1) if seconds else None}
-    weights = full_state_dict(run.model) if run.sharded else None
-    if run.rank == 0:
-        save_model_dir(OUT, run.model, run.tok, generation=run.gen, extra={"stage": STAGE, **headline, **details},
-                       state_dict=weights)
-        write_reports(STAGE, headline, details, timings)
-        remove_checkpoints(run.ckpt_path)
-        log(f"{STAGE}: done: reward {headline['reward']}, held-out pass@1 {headline['pass1']} (before "
-            f"{mean_over_tasks(h['before'], 'pass1')}), pass@{r.samples} {details['passk']}; model in {OUT}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_stage(STAGE, run.sharded, run.rank, run.model, OUT, run.tok, {"stage": STAGE, **headline, **details},
+                 (headline, details, timings),
+                 f"{STAGE}: done: reward {headline['reward']}, held-out pass@1 {headline['pass1']} (before "
+                 f"{mean_over_tasks(h['before'], 'pass1')}), pass@{r.samples} {details['passk']}; model in {OUT}",
+                 generation=run.gen)
     return {**headline, **details, **timings}
 
 
@@ -330,20 +307,16 @@ def rl_started(stage: str, p: Params, backend, device, rank: int, world: int) ->
     return finish(run, seconds, r.steps - start_step)
 
 
+def skip_when_disabled(p: Params) -> bool:
+    """rl.enabled false: the stage is SFT's model copied (`copy_sft`), no training."""
+    if p.rl.enabled:
+        return False
+    copy_sft()
+    return True
+
+
 def main() -> None:
-    from model.precision import BackendUnavailable
-    try:
-        p = load_params(stage=STAGE)
-        if not p.rl.enabled:
-            copy_sft()
-            return
-        stage_backend(STAGE, p)
-        launch(p.runtime, f"pipeline.{STAGE}", lambda: train_rl(p))
-    except (ConfigError, BackendUnavailable, ModelDirError, DataError, BenchmarkError, LaunchError) as e:
-        raise SystemExit(f"{STAGE}: {e}") from None
-    except NoRoomError as e:
-        raise SystemExit(f"{STAGE}: {e}. Free some space and run it again: it resumes from its last complete "
-                         f"checkpoint") from None
+    stage_main(STAGE, train_rl, errors=(BenchmarkError,), skip=skip_when_disabled)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@
      schedule, a progress bar (tokens/s, ETA), periodic val bits-per-byte and atomic checkpoints (`save`);
   5. `finish`: the model directory (full-precision safetensors) and the metrics; the TSV plot grows as
      the loop logs.
+What the rl stage shares with these (start, setup, the resume branch, the checkpoint, finishing, the
+command line) is in pipeline/stage.py.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import secrets
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,22 +29,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from model.gpt import GPT, GPTConfig
-from model.model_dir import CHECKSUMS, ModelDirError, NoRoomError, load_model_dir, save_model_dir
+from model.model_dir import CHECKSUMS, load_model_dir
 from model.optim import CombinedOptimizer, build_optimizer
-from model.parallel import all_gather, broadcast, ddp, fsdp, full_state_dict
+from model.parallel import ddp, fsdp
 from model.peak_flops import peak_flops
-from model.precision import PrecisionBackend, get_backend
+from model.precision import PrecisionBackend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
-from .checkpoint import (LAST_DIR, fingerprint, load_checkpoint, load_sharded, remove_checkpoints, save_checkpoint,
-                         save_sharded, set_rng_state)
-from .config import Params, TrainParams, load_params, n_kv_head, steps_for_tokens
-from .data import ChatBatches, DataError, TokenStream, open_tokens
-from .metrics import VAL_BPB, TSVLog, write_reports
-from .runtime import LaunchError, launch, log, resolve_device, setup_distributed
+from .checkpoint import fingerprint
+from .config import Params, TrainParams, steps_for_tokens
+from .data import ChatBatches, TokenStream, open_tokens
+from .metrics import VAL_BPB, TSVLog
+from .runtime import log
+from .stage import finish_stage, load_state, save_state, setup_stage, stage_main, start
 
 M = paths.MODEL_DIRS
 STAGES = {
@@ -53,9 +53,6 @@ STAGES = {
     "midtrain": (M["pretrain"], paths.MID_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["midtrain"]),
     "sft": (M["midtrain"], paths.SFT_TRAIN_TOKENS, paths.CHAT_VAL_TOKENS, M["sft"]),
 }
-CHECKPOINT_NOTE = ("This stage's checkpoints while it runs (last.pt, prev.pt, each with its .sha256; under FSDP the "
-                   "folders last.dcp, prev.dcp). A killed stage resumes from them on the next `dvc repro`; a finished "
-                   "one removes them.\n")
 
 
 class IdleClock:
@@ -135,11 +132,8 @@ def lr_multiplier(step: int, total: int, t: TrainParams) -> float:
 def build_model(stage: str, p: Params, tok: SparkTokenizer, device) -> GPT:
     init_dir = STAGES[stage][0]
     if init_dir is None:
-        m = p.model
-        config = GPTConfig(vocab_size=tok.vocab_size, n_layer=m.depth, n_embd=m.n_embd, n_head=m.n_head,
-                           n_kv_head=n_kv_head(m), seq_len=m.seq_len)
         with torch.device(device):
-            model = GPT(config)
+            model = GPT(GPTConfig(**p.model.gpt_config(tok.vocab_size)))
         model.init_weights(seed=getattr(p, stage).seed)
         return model
     model, _, _ = load_model_dir(init_dir, device=device)
@@ -171,35 +165,6 @@ def total_steps(stage: str, t: TrainParams, model: GPT, batches, grad_accum: int
         log(f"pretrain: {steps} steps read {passes:.2f}x the tokens in the token files, so the text repeats "
             f"(raise data.pretrain_tokens)")
     return steps
-
-
-def stage_backend(stage: str, p: Params):
-    """The stage's precision backend, refusing a `runtime.parallel` it cannot run under (checked again in
-    every rank, and first by the process that relaunches under torchrun: one message, not one per rank)."""
-    pr = p.precision
-    name = p.backend_for(stage)
-    backend = get_backend(name, pr.options_for(name), pr.layer_filter)
-    backend.check_parallel(p.runtime.parallel)
-    return backend
-
-
-def check_shared_folder(folder: Path, rank: int) -> None:
-    """Every rank must see the files rank 0 writes (checkpoints, and the outputs the next stage reads):
-    on several machines, the project directory must be on a filesystem they all mount. Fails on every
-    rank, naming the machines that do not see it, instead of a hang or a half-written checkpoint."""
-    token, where = broadcast((secrets.token_hex(8), str(folder.resolve())) if rank == 0 else None)
-    probe = folder / ".rank0"
-    if rank == 0:
-        probe.write_text(token)
-    all_gather(None)  # a barrier: rank 0's file is written
-    seen = probe.is_file() and probe.read_text() == token
-    blind = sorted({host for ok, host in all_gather((seen, socket.gethostname())) if not ok})
-    if rank == 0:  # every rank has looked (the gather above)
-        probe.unlink()
-    if blind:
-        raise LaunchError(f"{', '.join(blind)} cannot see the files rank 0 writes in {where}: a job on "
-                          f"several machines needs the project directory on a filesystem every machine mounts at "
-                          f"the same path (README, \"Several machines\")")
 
 
 @dataclass
@@ -234,10 +199,6 @@ class Run:
     def tokens_per_micro(self) -> int:
         return self.t.device_batch * self.seq_len * self.world
 
-    @property
-    def ckpt_path(self) -> Path:
-        return paths.checkpoint_dir(self.stage) / "last.pt"
-
 
 @dataclass
 class Progress:
@@ -247,45 +208,6 @@ class Progress:
     mfu: float | None = None
     sustained: int | None = None
     idle_frac: float | None = None
-
-
-def start(stage: str | None, p: Params):
-    """The device, the precision backend (checked before any work: a refusal costs nothing) and the process
-    group. Returns (stage, params, backend, device, rank, world): with stage None (a rank `sparkchat join`
-    started) the stage global rank 0 runs, and its params."""
-    device = resolve_device(p.runtime.device)
-    backend = stage_backend(stage, p) if stage else None
-    if backend:
-        backend.check(device)  # fail before any work
-    # FSDP shards over a process group even on one rank (its checkpoints then load on any number)
-    rank, world, device = setup_distributed(device, p.runtime.timeout_s, always=p.runtime.parallel == "fsdp")
-    if world > 1:  # rank 0 says which stage runs: a joining rank takes it, a rank started for another stops
-        leader = broadcast(stage)
-        if stage is None:
-            stage, p = leader, load_params(stage=leader)
-            backend = stage_backend(stage, p)
-            backend.check(device)
-        elif leader != stage:
-            raise LaunchError(f"global rank 0 runs the {leader} stage, but this machine started {stage}")
-    backend.check_parallel(p.runtime.parallel)  # auto knows its backend now
-    return stage, p, backend, device, rank, world
-
-
-def setup_stage(stage: str, p: Params, seed: int, rank: int, world: int) -> Path:
-    """What every training stage (rl too) does first: torch's threads and this rank's seed, and the stage's
-    checkpoint folder, made and checked to be the same folder on every rank. Returns the folder."""
-    if p.runtime.threads:
-        torch.set_num_threads(p.runtime.threads)
-    torch.manual_seed(seed + rank)
-    ckpt_dir = paths.checkpoint_dir(stage)
-    # a DVC output whether or not a checkpoint is written; the note keeps it from being an empty
-    # folder (which DVC warns about) once a finished stage has removed its checkpoints
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        (ckpt_dir / "README.txt").write_text(CHECKPOINT_NOTE)
-    if world > 1:
-        check_shared_folder(ckpt_dir, rank)
-    return ckpt_dir
 
 
 def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
@@ -332,20 +254,10 @@ def resume(run: Run) -> tuple[int, dict]:
                           "precision": asdict(p.precision), "backend": run.backend.name, "parallel": p.runtime.parallel,
                           "batches_per_step": run.grad_accum * run.world}, inputs)
     start_step, history = 0, {}
-    if run.sharded:
-        state, msg = load_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, run.fp)
-    else:
-        state, msg = load_checkpoint(run.ckpt_path, run.fp)
-        if state is not None and any(k.endswith("attn.c_q.weight") for k in state["model"]):
-            state, msg = None, f"{run.ckpt_path} is from before q, k and v were fused into one projection: starting from step 0"
-        if state is not None:
-            run.model.load_state_dict(state["model"], strict=False)
-            run.optimizer.load_state_dict(state["optimizer"])
+    state = load_state(stage, run.sharded, run.model, run.optimizer, run.fp)
     if state is not None:
         run.train_batches.load_state(state["data"])
-        set_rng_state(state["rng"])
         start_step, history = state["step"], state["extra"]
-    log(f"{stage}: {msg}")
     log(f"{stage}: {run.model.num_params():,} params, {run.steps} steps x {run.grad_accum} micro-steps x "
         f"{t.device_batch}x{run.seq_len} tokens x {run.world} rank(s) = {run.steps * run.grad_accum * run.tokens_per_micro:,} "
         f"tokens on {run.device}{' (compiled)' if run.use_compile else ''}"
@@ -467,12 +379,8 @@ def loop(run: Run, start_step: int, history: dict) -> Progress:
 
 
 def save(run: Run, done: int, history: dict) -> None:
-    """A checkpoint after step `done`: every rank writes its shards under FSDP, rank 0 the whole otherwise."""
-    if run.sharded:
-        save_sharded(run.ckpt_path.with_name(LAST_DIR), run.model, run.optimizer.optimizers, done,
-                     run.train_batches.state(), run.fp, history)
-    elif run.rank == 0:
-        save_checkpoint(run.ckpt_path, run.model, run.optimizer, done, run.train_batches.state(), run.fp, history)
+    save_state(run.stage, run.sharded, run.rank, run.model, run.optimizer, done, run.train_batches.state(), run.fp,
+               history)
 
 
 def finish(run: Run, progress: Progress, history: dict) -> dict:
@@ -495,16 +403,9 @@ def finish(run: Run, progress: Progress, history: dict) -> dict:
         timings["tokens_per_s_sustained"] = progress.sustained  # every step after the first this run made
     if progress.idle_frac is not None:
         timings["idle_frac"] = progress.idle_frac  # of the logged steps after the first
-    weights = full_state_dict(raw_model) if run.sharded else None  # gathered onto rank 0 (every rank takes part)
-    if run.rank == 0:
-        save_model_dir(out_dir, raw_model, run.tok, extra={"stage": stage, **record}, state_dict=weights)
-        write_reports(stage, headline, details, timings)
-        # the checkpoint only recovers an interrupted run; once the model is saved it goes, so a re-run
-        # caused by a code change (not in the fingerprint) starts from step 0 rather than resuming
-        remove_checkpoints(run.ckpt_path)
-        log(f"{stage}: done: loss {record['final_loss']}, {VAL_BPB[stage]} {record['val_bpb']}, model in {out_dir}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_stage(stage, run.sharded, run.rank, raw_model, out_dir, run.tok, {"stage": stage, **record},
+                 (headline, details, timings),
+                 f"{stage}: done: loss {record['final_loss']}, {VAL_BPB[stage]} {record['val_bpb']}, model in {out_dir}")
     return {**headline, **details, **timings}
 
 
@@ -522,14 +423,4 @@ def train_started(stage: str, p: Params, backend, device, rank: int, world: int)
 
 
 def main(stage: str) -> None:
-    from .config import ConfigError
-    from model.precision import BackendUnavailable
-    try:
-        p = load_params(stage=stage)
-        stage_backend(stage, p)
-        launch(p.runtime, f"pipeline.{stage}", lambda: train(stage, p))
-    except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError) as e:
-        raise SystemExit(f"{stage}: {e}") from None
-    except NoRoomError as e:  # what was written before stays: the next run resumes from the last checkpoint
-        raise SystemExit(f"{stage}: {e}. Free some space and run it again: it resumes from its last complete "
-                         f"checkpoint") from None
+    stage_main(stage, lambda p: train(stage, p))

@@ -576,8 +576,9 @@ def test_running_ahead_changes_no_token():
         e = Engine(m, EngineConfig(max_batch=4, stop_ids=(END,), tool_start=PS, tool_end=PE, run_ahead=run_ahead),
                    tool=lambda expr: [OS, 9, OE]).start()
         try:
+            # one-id prompts: ScriptModel reads the last column
             jobs = [([1], SamplingParams(temperature=0, max_tokens=20)), ([3], SamplingParams(temperature=0, max_tokens=20)),
-                    ([8], SamplingParams(temperature=0, max_tokens=7)), ([5], SamplingParams(temperature=1.0, seed=4, max_tokens=9))]  # one-id prompts: ScriptModel reads the last column
+                    ([8], SamplingParams(temperature=0, max_tokens=7)), ([5], SamplingParams(temperature=1.0, seed=4, max_tokens=9))]
             results = generate_together(e, jobs, timeout=10)
         finally:
             e.shutdown()

@@ -12,7 +12,6 @@ checked bit for bit the same ways; the fp8 backend's fused MLP is checked agains
 exactly on CPU, while on a GPU the script prints how far apart they are (there the unfused MLP rounds
 relu(h)^2 to bf16 before its cast, the fused one does not) and asserts that the Triton kernel ran.
 """
-import copy
 
 import torch
 

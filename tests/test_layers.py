@@ -3,7 +3,6 @@
 import a stage's core function to time that stage; the probe's library lives in model/precision/.)"""
 from __future__ import annotations
 
-from pathlib import Path
 
 from test_dvc import ROOT, imports_of
 
