@@ -2,7 +2,8 @@
 
 After the hello (read blocking, before the event loop serves anything), the connection's socket is the
 event loop's: an asyncio protocol (`_Channel`) takes the bytes as they arrive, cuts them into messages
-by the wire's framing (`wire.unframe`), and hands each to the link; commands go out through the loop's transport, which buffers what the socket cannot take yet.
+by the wire's framing (`wire.unframe`), and hands each to the link; commands go out through the loop's
+transport, which buffers what the socket cannot take yet.
 (Connection.recv and send on the loop's socket would not do: the loop makes it non-blocking, and a
 message larger than the socket's buffer, as prompt logprobs for a long prompt are, then breaks off.)
 
