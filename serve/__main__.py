@@ -14,6 +14,8 @@ import socket
 
 from sparkchat import paths, start
 
+from model.precision.options import SERVE_WEIGHTS  # (torch-free)
+
 from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "is served)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="leave out the access log's line a request (uvicorn's; default: one a request)")
+    p.add_argument("--weights", choices=SERVE_WEIGHTS, default=SERVE_WEIGHTS[0],
+                   help="how the Linear weights are held: bf16 (fp32 on a CPU), or fp8 (e4m3, a scale per output "
+                        "channel, quantised at load from the checkpoint; a GPU with FP8 tensor cores, sm_89+; "
+                        "docs/serving.md, 'FP8 weights') (default: %(default)s)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
     return p.parse_args(argv)
@@ -116,9 +122,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"sparkchat serve: {e}") from None
     from model.device import resolve_device
     try:  # a device this machine lacks stops here too, not in the engine's load after the port opened
-        resolve_device(args.device)
+        device = resolve_device(args.device)
     except ValueError as e:
         raise SystemExit(f"sparkchat serve: --device {e}; leave --device out to use what there is") from None
+    if args.weights == "fp8":  # so do FP8 weights where they cannot serve, before anything loads
+        from model.precision import BackendUnavailable, fp8_weights
+        try:
+            fp8_weights.check(device)
+        except BackendUnavailable as e:
+            raise SystemExit(f"sparkchat serve: {e}") from None
     from .supervisor import run
     settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
                     max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval,
@@ -127,7 +139,7 @@ def main(argv=None) -> None:
     log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "
              "once the model has loaded)", host, sock.getsockname()[1], args.api_servers,
              "the chat page at /, " if args.ui else "")
-    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log))
+    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log, weights=args.weights))
 
 
 if __name__ == "__main__":

@@ -62,14 +62,15 @@ def frontend_main(settings: dict, sock: socket.socket, log_level: str, access_lo
 
 
 def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = "info",
-        access_log: bool = True) -> int:
+        access_log: bool = True, weights: str = "bf16") -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1). `settings`:
-    serve.api.Settings' fields, less the engine's address, which this function fills in."""
+    serve.api.Settings' fields, less the engine's address, which this function fills in; `weights`: the
+    engine's (model.model_dir.load_model_dir)."""
     from .engine_proc import EngineProcess
     metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
     engine = EngineProcess(settings["model_dir"], settings.get("device"), settings["max_batch"], settings["max_queue"],
-                           exit_on_failed_load=True)
+                           exit_on_failed_load=True, weights=weights)
     frontend = {**settings, "engine_address": engine.address, "engine_authkey": engine.authkey}
     ctx = multiprocessing.get_context("spawn")
 
