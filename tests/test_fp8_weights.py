@@ -2,7 +2,7 @@
 (a CPU, a GPU below sm_89) before anything loads; the quantisation against the weights it came from;
 both products (weight-only and W8A8) against float64 references built from the FP8 operands; the Triton
 kernel under Triton's interpreter; a trained model's greedy ids within the tie rule (model/tie_rule.py).
-The GPU's own test: tests/test_engine_gpu.py, test_fp8_weights_give_the_bf16_greedy_ids."""
+The GPU's own tests: tests/test_fp8_weights_gpu.py."""
 from __future__ import annotations
 
 import copy
