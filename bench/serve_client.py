@@ -40,7 +40,6 @@ import asyncio  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
 import random  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -198,21 +197,17 @@ def summary(rounds: list[dict], keys) -> dict:
     return {k: spread([r[k] for r in rounds]) for k in keys if rounds and all(r.get(k) is not None for r in rounds)}
 
 
-def main(argv=None) -> dict:
-    from bench.serve import running_server
-    from bench.serve_gpu import DEFAULT_VOCAB, chat_requests, copy_bandwidth, d_model, engine_round, git_commit
-    from bench.text_model import GENERATION, text_tokenizer, write_model_dir
-    from model.chat_engine import chat_engine
-    from model.precision import fp8_weights
+def parse_args(argv):
     from model.precision.options import SERVE_WEIGHTS
-    from serve.engine_proc import freeze_heap
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depth", type=int, default=20, help="model depth (default: %(default)s)")
     ap.add_argument("--vocab", type=int, help="vocabulary (default: 65536 on cuda, 2048 on cpu)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="(default: %(default)s)")
-    ap.add_argument("--weights", default=SERVE_WEIGHTS[0], choices=SERVE_WEIGHTS,
-                    help="the engine's and the server's Linear weights (default: %(default)s)")
+    ap.add_argument("--weights", default=SERVE_WEIGHTS[0],
+                    help=f"the engine's and the server's Linear weights, of {', '.join(SERVE_WEIGHTS)}; several "
+                         f"(comma-separated) alternate within each round, each with a server of its own, and the "
+                         f"first one's figures get the plain keys, the others' the suffix _<weights> (default: "
+                         f"%(default)s)")
     ap.add_argument("--levels", default="1,16,64,128", help="closed-loop streams (default: %(default)s)")
     ap.add_argument("--rates", default="4,16", help="Poisson arrivals, requests a second (default: %(default)s)")
     ap.add_argument("--new", type=int, default=128, help="tokens a reply (default: %(default)s)")
@@ -222,12 +217,33 @@ def main(argv=None) -> dict:
     ap.add_argument("--serve-args", default="", help="more flags for `python -m serve`, one string")
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args(argv)
+    args.weights = args.weights.split(",")
+    bad = [w for w in args.weights if w not in SERVE_WEIGHTS]
+    if bad or len(set(args.weights)) != len(args.weights):
+        ap.error(f"--weights takes each of {', '.join(SERVE_WEIGHTS)} at most once, got {','.join(args.weights)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    import contextlib
+    import copy
+
+    from bench.serve import running_server
+    from bench.serve_gpu import DEFAULT_VOCAB, chat_requests, copy_bandwidth, d_model, engine_round, git_commit
+    from bench.text_model import GENERATION, text_tokenizer, write_model_dir
+    from model.chat_engine import chat_engine
+    from model.precision import fp8_weights
+    from serve.engine_proc import freeze_heap
+
+    args = parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if gpu and not torch.cuda.is_available():
         raise SystemExit("bench/serve_client.py needs a CUDA GPU (or --device cpu)")
-    if args.weights == "fp8":  # refused here as the server would refuse it, before anything is built
-        fp8_weights.check(device)
+    if "fp8" in args.weights:  # refused here as the server would refuse it, before anything is built
+        reason = fp8_weights.unavailable_reason(device)
+        if reason:
+            raise SystemExit(f"bench/serve_client.py: --weights fp8: {reason}")
     if not gpu:  # one intra-op thread, engine and server alike (bench/serve_gpu.py says why)
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -251,81 +267,104 @@ def main(argv=None) -> dict:
                                    ["plain", "static", "static_compiled"] if gpu else ["plain", "static"])
         res["over_transformers"] = res["transformers"]["over_transformers"]
         save_json(res, args.out)
+    if gpu:
+        res["copy_bandwidth_GBps"] = round(copy_bandwidth(device) / 1e9, 1)
     dtype = torch.bfloat16 if gpu else torch.float32
-    with tempfile.TemporaryDirectory() as tmp:
+    rounds = {w: {"engine": {n: [] for n in levels}, "http": {n: [] for n in levels}, "poisson": {r: [] for r in rates}}
+              for w in args.weights}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model_dir = write_model_dir(model.float(), tok, Path(tmp) / "m", gen)
-        if args.weights == "fp8":
-            fp8_weights.convert(model, dtype)
-        else:
-            model.to(dtype)
-        res["weight_bytes_read_per_step"] = fp8_weights.weight_bytes(model)
-        if gpu:
-            bw = copy_bandwidth(device)
-            res.update(copy_bandwidth_GBps=round(bw / 1e9, 1), floor_tokens_per_s=round(bw / res["weight_bytes_read_per_step"], 1))
-        engine = chat_engine(model, tok, gen, max_batch=max(levels), max_queue=4096, cuda_graphs=gpu)
+        engines, servers = {}, {}
+        for w in args.weights:  # each its own engine here and its own server
+            m = copy.deepcopy(model)
+            if w == "fp8":
+                fp8_weights.convert(m, dtype)
+            else:
+                m.to(dtype)
+            res[f"weight_bytes_read_per_step{suffix(w, args)}"] = fp8_weights.weight_bytes(m)
+            engines[w] = chat_engine(m, tok, gen, max_batch=max(levels), max_queue=4096, cuda_graphs=gpu)
+            stack.callback(engines[w].shutdown)
+            servers[w] = stack.enter_context(running_server(
+                ["-m", "serve", "--model", str(model_dir), "--device", args.device, "--max-batch", str(max(levels)),
+                 "--max-queue", "4096", "--weights", w, *args.serve_args.split()], timeout=600))[0]
+        del model
         freeze_heap()
-        argv_ = ["-m", "serve", "--model", str(model_dir), "--device", args.device, "--max-batch", str(max(levels)),
-                 "--max-queue", "4096", "--weights", args.weights, *args.serve_args.split()]
-        eng = {n: [] for n in levels}
-        http = {n: [] for n in levels}
-        pois = {r: [] for r in rates}
-        try:
-            with running_server(argv_, timeout=600) as (base, _):
-                for r in range(args.rounds):
-                    for n in levels:
-                        prompts, params = chat_requests(tok, gen, n, args.new)
-                        if r == 0:
-                            engine_round(engine, prompts, params, 0.0)  # warm-up: this level's graphs
-                            run_clients(base, closed_jobs(n, args.new, 0.5))  # and the server's
-                        e = engine_round(engine, prompts, params, args.seconds)
-                        h = client_stats(run_clients(base, closed_jobs(n, args.new, args.seconds)))
-                        h["of_engine"] = round(h["tokens_per_s"] / e["tokens_per_s"], 4)
-                        eng[n].append(e)
-                        http[n].append(h)
-                        print(f"round {r + 1}/{args.rounds} {n:4d} streams: engine {e['tokens_per_s']:,.0f} tok/s "
-                              f"(TTFT {e['ttft_ms_median']} ms), http {h['tokens_per_s']:,.0f} tok/s "
-                              f"({h['of_engine']:.2f}x), TTFT p50 {h['ttft_ms_p50']} ms, ITL p50/p99 "
-                              f"{h['itl_ms_p50']}/{h['itl_ms_p99']} ms", flush=True)
-                    for rate in rates:
-                        p = client_stats(run_clients(base, poisson_jobs(rate, args.new, args.seconds, seed=r)))
-                        pois[rate].append(p)
-                        print(f"round {r + 1}/{args.rounds} Poisson {rate:g}/s: {p['requests']} requests, "
-                              f"{p['tokens_per_s']:,.0f} tok/s, TTFT p50/p99 {p['ttft_ms_p50']}/{p['ttft_ms_p99']} ms, "
-                              f"ITL p50/p99 {p['itl_ms_p50']}/{p['itl_ms_p99']} ms", flush=True)
-                    save_json({**res, "unfinished": {"engine": eng, "http": http, "poisson": pois}}, args.out)
-        finally:
-            engine.shutdown()
-    res["engine"] = {n: {"rounds": eng[n], **summary(eng[n], ("tokens_per_s", "ttft_ms_median", "tpot_ms_median"))}
-                     for n in levels}
-    res["closed_loop"] = {n: {"rounds": http[n], **summary(http[n], (*CLIENT_KEYS, "of_engine"))} for n in levels}
-    res["poisson"] = {f"{r:g}": {"rounds": pois[r], **summary(pois[r], CLIENT_KEYS)} for r in rates}
-    for n in levels:  # the headline keys bench/check_keys.py reads
-        res[f"tokens_per_s_{n}"] = res["engine"][n]["tokens_per_s"]
-        res[f"of_engine_{n}"] = res["closed_loop"][n]["of_engine"]
-    if gpu and 1 in levels:
-        res["floor_fraction"] = spread([e["tokens_per_s"] / res["floor_tokens_per_s"] for e in eng[1]])
-    report(res, levels, rates)
+        for r in range(args.rounds):
+            for w in args.weights:
+                one_round(engines[w], servers[w], tok, gen, levels, rates, args, r, rounds[w], w, chat_requests,
+                          engine_round)
+            save_json({**res, "unfinished": rounds}, args.out)
+    for w in args.weights:
+        summarise(res, rounds[w], levels, rates, suffix(w, args), gpu)
+    report(res, levels, rates, args.weights, args)
     save_json(res, args.out)
     return res
 
 
-def report(res: dict, levels: list[int], rates: list[float]) -> None:
-    print(f"{res['device']}, d{res['depth']}, {res['weights']} weights, {res['rounds']} rounds "
-          f"(median (min-max)):", flush=True)
-    if "floor_fraction" in res:
-        print(f"floor: {res['weight_bytes_read_per_step'] / 1e9:.3f} GB a step at {res['copy_bandwidth_GBps']} GB/s = "
-              f"{res['floor_tokens_per_s']:,.0f} tok/s at one stream; the engine {fmt(res['floor_fraction'], '.3f')} of it")
-    print("| load | engine tok/s | HTTP tok/s | HTTP/engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+def suffix(weights: str, args) -> str:
+    """The first weights' keys are plain, the others' end in _<weights>."""
+    return "" if weights == args.weights[0] else f"_{weights}"
+
+
+def one_round(engine, base: str, tok, gen: dict, levels: list[int], rates: list[float], args, r: int, rounds: dict,
+              weights: str, chat_requests, engine_round) -> None:
+    """One round of one weights' engine and server: every level (the engine alone, then HTTP), then every rate."""
     for n in levels:
-        e, h = res["engine"][n], res["closed_loop"][n]
-        print(f"| {n} streams | {fmt(e['tokens_per_s'], ',.0f')} | {fmt(h['tokens_per_s'], ',.0f')} | "
-              f"{fmt(h['of_engine'], '.2f')} | " + " | ".join(fmt(h[k], '.1f') if k in h else "-" for k in
-                                                            ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")) + " |")
-    for r in rates:
-        p = res["poisson"][f"{r:g}"]
-        print(f"| Poisson {r:g}/s | - | {fmt(p['tokens_per_s'], ',.0f')} | - | " + " | ".join(
-            fmt(p[k], '.1f') if k in p else "-" for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")) + " |")
+        prompts, params = chat_requests(tok, gen, n, args.new)
+        if r == 0:
+            engine_round(engine, prompts, params, 0.0)  # warm-up: this level's graphs
+            run_clients(base, closed_jobs(n, args.new, 0.5))  # and the server's
+        e = engine_round(engine, prompts, params, args.seconds)
+        h = client_stats(run_clients(base, closed_jobs(n, args.new, args.seconds)))
+        h["of_engine"] = round(h["tokens_per_s"] / e["tokens_per_s"], 4)
+        rounds["engine"][n].append(e)
+        rounds["http"][n].append(h)
+        print(f"round {r + 1}/{args.rounds} {weights} {n:4d} streams: engine {e['tokens_per_s']:,.0f} tok/s (TTFT "
+              f"{e['ttft_ms_median']} ms), http {h['tokens_per_s']:,.0f} tok/s ({h['of_engine']:.2f}x), TTFT p50 "
+              f"{h['ttft_ms_p50']} ms, ITL p50/p99 {h['itl_ms_p50']}/{h['itl_ms_p99']} ms", flush=True)
+    for rate in rates:
+        p = client_stats(run_clients(base, poisson_jobs(rate, args.new, args.seconds, seed=r)))
+        rounds["poisson"][rate].append(p)
+        print(f"round {r + 1}/{args.rounds} {weights} Poisson {rate:g}/s: {p['requests']} requests, "
+              f"{p['tokens_per_s']:,.0f} tok/s, TTFT p50/p99 {p['ttft_ms_p50']}/{p['ttft_ms_p99']} ms, "
+              f"ITL p50/p99 {p['itl_ms_p50']}/{p['itl_ms_p99']} ms", flush=True)
+
+
+def summarise(res: dict, rounds: dict, levels: list[int], rates: list[float], sfx: str, gpu: bool) -> None:
+    """One weights' rounds and their summaries into `res`, with the headline keys bench/check_keys.py reads."""
+    eng, http, pois = rounds["engine"], rounds["http"], rounds["poisson"]
+    res["engine" + sfx] = {n: {"rounds": eng[n], **summary(eng[n], ("tokens_per_s", "ttft_ms_median", "tpot_ms_median"))}
+                           for n in levels}
+    res["closed_loop" + sfx] = {n: {"rounds": http[n], **summary(http[n], (*CLIENT_KEYS, "of_engine"))} for n in levels}
+    res["poisson" + sfx] = {f"{r:g}": {"rounds": pois[r], **summary(pois[r], CLIENT_KEYS)} for r in rates}
+    for n in levels:
+        res[f"tokens_per_s_{n}{sfx}"] = res["engine" + sfx][n]["tokens_per_s"]
+        res[f"of_engine_{n}{sfx}"] = res["closed_loop" + sfx][n]["of_engine"]
+    if gpu and 1 in levels:  # the floor: this weights' bytes a step over the copy bandwidth
+        floor = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_read_per_step" + sfx]
+        res["floor_tokens_per_s" + sfx] = round(floor, 1)
+        res["floor_fraction" + sfx] = spread([e["tokens_per_s"] / floor for e in eng[1]])
+
+
+def report(res: dict, levels: list[int], rates: list[float], weights: list[str], args) -> None:
+    print(f"{res['device']}, d{res['depth']}, {res['rounds']} rounds (median (min-max)):", flush=True)
+    keys = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    for w in weights:
+        sfx = suffix(w, args)
+        if "floor_fraction" + sfx in res:
+            print(f"{w}: floor {res['weight_bytes_read_per_step' + sfx] / 1e9:.3f} GB a step at {res['copy_bandwidth_GBps']} "
+                  f"GB/s = {res['floor_tokens_per_s' + sfx]:,.0f} tok/s at one stream; the engine "
+                  f"{fmt(res['floor_fraction' + sfx], '.3f')} of it")
+        print(f"| {w}: load | engine tok/s | HTTP tok/s | HTTP/engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for n in levels:
+            e, h = res["engine" + sfx][n], res["closed_loop" + sfx][n]
+            print(f"| {n} streams | {fmt(e['tokens_per_s'], ',.0f')} | {fmt(h['tokens_per_s'], ',.0f')} | "
+                  f"{fmt(h['of_engine'], '.2f')} | " + " | ".join(fmt(h[k], '.1f') if k in h else "-" for k in keys) + " |")
+        for r in rates:
+            p = res["poisson" + sfx][f"{r:g}"]
+            print(f"| Poisson {r:g}/s | - | {fmt(p['tokens_per_s'], ',.0f')} | - | " +
+                  " | ".join(fmt(p[k], '.1f') if k in p else "-" for k in keys) + " |")
     if "over_transformers" in res:
         print(f"sparkchat over transformers' best at one stream: {fmt(res['over_transformers'], '.2f', 'x')}")
 
