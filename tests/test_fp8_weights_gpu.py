@@ -17,8 +17,9 @@ from model.precision import fp8_weights
 from model.requests import Finished, SamplingParams, Token
 from model.tie_rule import FP8_WEIGHTS_MARGIN, agreement, reference_greedy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or fp8_weights.unavailable_reason("cuda") is not None,
-                                reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or fp8_weights.unavailable_reason("cuda") is not None,
+    reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")]
 
 D20 = [(1280, 3840), (1280, 1280), (5120, 1280), (1280, 5120)]  # (N, K) of c_qkv, c_proj, c_fc, mlp.c_proj
 

@@ -212,6 +212,7 @@ def test_check_keys_names_what_is_missing_or_not_a_figure(tmp_path):
     assert check([str(f), "tokens_per_s_128", "of_engine_64"]) == 0
 
 
+@pytest.mark.slow
 def test_client_benchmark_smoke_on_a_cpu(tmp_path, capsys):
     """bench/serve_client.py end to end at depth 2 on this CPU, one round, one stream, one Poisson rate,
     the transformers peer: its JSON carries the keys a CPU run measures; the floor needs a GPU."""
