@@ -186,3 +186,20 @@ def test_weight_only_triton_kernel_under_the_interpreter():
                        env={**os.environ, "TRITON_INTERPRET": "1",
                             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_fp8_quality_compares_task_by_task_and_gates_on_the_tolerance():
+    from bench.fp8_quality import compare
+    bf16 = {"arithmetic": 0.50, "spelling": 0.80, "val_bpb": 2.10}
+    ok = compare(bf16, {"arithmetic": 0.52, "spelling": 0.79, "val_bpb": 2.30})
+    assert ok["within_tolerance"] and ok["largest_difference"] == 0.02  # val_bpb is shown, not gated
+    assert ok["tasks"]["arithmetic"] == {"bf16": 0.50, "fp8": 0.52, "difference": 0.02}
+    assert not compare(bf16, {"arithmetic": 0.47, "spelling": 0.80, "val_bpb": 2.10})["within_tolerance"]
+    lost = compare(bf16, {"arithmetic": 0.50, "val_bpb": 2.10})
+    assert not lost["within_tolerance"] and lost["missing"] == ["spelling"]
+
+
+def test_fp8_quality_is_refused_on_a_cpu_with_the_reason():
+    r = subprocess.run([sys.executable, "-m", "bench.fp8_quality"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and "bench/fp8_quality.py: FP8 weights serve on a CUDA GPU" in r.stderr, r.stderr[-2000:]
