@@ -167,20 +167,21 @@ from model.precision import fp8_weights as fw
 torch.manual_seed(0)
 for M, N, K in [(1, 96, 64), (5, 80, 200), (16, 64, 128)]:
     q, inv = fw.quantise_rows(torch.randn(N, K) * 0.1)
-    for dt in (torch.float32, torch.bfloat16):
+    for dt, split in ((torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3), (torch.bfloat16, 2)):
         x = torch.randn(M, K).to(dt)
-        y = fw.weight_only_triton(x, q, inv.reshape(1, -1))
+        y = fw.weight_only_triton(x, q, inv.reshape(1, -1), block_n=16, block_k=32, split_k=split)
         ref = x.double() @ fw.dequantise_rows(q, inv, torch.float64).t()
         # fp32: the sums' order; bf16: the output's rounding (a bf16 unit of the largest value)
         tol = 1e-5 if dt == torch.float32 else 2 ** -7 * float(ref.abs().max())
         assert y.dtype == dt and y.shape == (M, N)
-        assert float((y.double() - ref).abs().max()) <= tol, (M, N, K, dt, float((y.double() - ref).abs().max()))
+        assert float((y.double() - ref).abs().max()) <= tol, (M, N, K, dt, split, float((y.double() - ref).abs().max()))
 print("ok")
 """
 
 
 def test_weight_only_triton_kernel_under_the_interpreter():
-    """The CUDA kernel's code, run by Triton's interpreter on this CPU (TRITON_INTERPRET=1, read at import)."""
+    """The CUDA kernel's code, run by Triton's interpreter on this CPU (TRITON_INTERPRET=1, read at import),
+    in one piece and with K split in parts that add up (K=200 leaves a part shorter than the others)."""
     pytest.importorskip("triton")
     r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "TRITON_INTERPRET": "1",

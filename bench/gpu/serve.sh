@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU decode path: the GPU engine tests (greedy ids of the graph path against the eager one,
-# seeded sampling repeatable, ...) and FP8 serving weights' (tests/test_fp8_weights_gpu.py), then
+# seeded sampling repeatable, ...) and FP8 serving weights' (tests/test_fp8_weights_gpu.py), the FP8
+# weight products' tiles against bf16 (bench/fp8_gemv.py), then
 # bench/serve_gpu.py: the engine alone and through the HTTP API at 1, 16, 64 and 128 streams, d20
 # shape, bf16, random weights (its flags pass through: "$@"), then bench/serve_client.py: bf16 and fp8
 # weights alternated in each of 3 rounds (an engine and a server each), closed-loop streams and Poisson
@@ -23,6 +24,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m pytest -q -x -p no:warnings tests/test_engine_gpu.py 2>&1 | tail -3 | tee "$OUT/engine_gpu_tests.log"
 python3 -m pytest -q -p no:warnings tests/test_fp8_weights_gpu.py 2>&1 | tail -5 | tee "$OUT/fp8_weights_gpu_tests.log"
+python3 -m bench.fp8_gemv --out "$OUT/fp8_gemv.json" 2>&1 | grep -v -i warn | tee "$OUT/fp8_gemv.log"
 python3 -m bench.serve_gpu --http --out "$OUT/serve_gpu.json" "$@" 2>&1 | grep -v -i warn | tee "$OUT/serve_gpu.log"
 if [ "${CLIENT:-1}" != 0 ]; then
   COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)

@@ -148,20 +148,22 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _weight_only_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """y[:, n-tile] = x @ (q[n-tile] * s[n-tile])^T for all M (<= BLOCK_M) rows: each weight byte read
-        once and widened in registers; fp32 accumulation, the row scale applied at the end."""
-        pid = tl.program_id(0)
+    def _weight_only_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+        """y[:, n-tile] (+)= x[:, k-range] @ (q[n-tile, k-range] * s[n-tile])^T for all M (<= BLOCK_M) rows:
+        each weight byte read once and widened in registers, fp32 sums, the row scale applied at the end.
+        Program (n-tile, split): with several splits of K (ATOMIC) each adds its part into an fp32 output."""
+        pid, split = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_end = tl.minimum(K, (split + 1) * K_SPLIT)
+        for k0 in range(split * K_SPLIT, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_end),
                         other=0.0).to(tl.float32)
             # the weight as raw bytes, bitcast to e4m3 and widened: (BLOCK_K, BLOCK_N), W^T's tile
-            qb = tl.load(q_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+            qb = tl.load(q_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < k_end),
                          other=0)
             w = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             # tf32 holds a bf16 activation and an e4m3 weight exactly: exact products, fp32 sums (a few
@@ -169,24 +171,36 @@ if triton is not None:
             acc += tl.dot(x, w, input_precision="tf32", out_dtype=tl.float32)
         s = tl.load(s_ptr + cols, mask=cols < N, other=0.0)
         y = acc * s[None, :]
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if ATOMIC:
+            tl.atomic_add(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+        else:
+            tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor,
-                       block_n: int = 32, block_k: int = 128) -> torch.Tensor:
-    """The weight-only product through the Triton kernel (x: at most WEIGHT_ONLY_MAX_ROWS rows). The tile
-    sizes are a first choice, not tuned: the GPU benchmark is to measure them."""
+# Tiles of the weight-only kernel: a first choice, not tuned (bench/fp8_gemv.py measures the others on a GPU)
+BLOCK_N, BLOCK_K, SPLIT_K = 32, 128, 1
+
+
+def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor, block_n: int = 0,
+                       block_k: int = 0, split_k: int = 0) -> torch.Tensor:
+    """The weight-only product through the Triton kernel (x: at most WEIGHT_ONLY_MAX_ROWS rows). Tiles and
+    splits of K: the module's BLOCK_N, BLOCK_K and SPLIT_K unless given. With split_k > 1 the splits add
+    into an fp32 buffer (zeroed first, cast after: two more small kernels) so that a narrow weight still
+    spreads over the GPU's cores."""
+    block_n, block_k, split_k = block_n or BLOCK_N, block_k or BLOCK_K, split_k or SPLIT_K
     M, K = x.shape
     N = qweight.shape[0]
     if M > WEIGHT_ONLY_MAX_ROWS:
         raise ValueError(f"the weight-only kernel takes at most {WEIGHT_ONLY_MAX_ROWS} rows, got {M}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    x = x.contiguous()
-    grid = (triton.cdiv(N, block_n),)
-    _weight_only_kernel[grid](x, qweight.view(torch.uint8), inv_scale.reshape(-1), y, M, N, K,
-                              BLOCK_M=WEIGHT_ONLY_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k)
-    return y
+    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # each split a whole number of tiles
+    splits = triton.cdiv(K, k_split)
+    y = torch.zeros((M, N), dtype=torch.float32, device=x.device) if splits > 1 else \
+        torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _weight_only_kernel[(triton.cdiv(N, block_n), splits)](
+        x.contiguous(), qweight.view(torch.uint8), inv_scale.reshape(-1), y, M, N, K, k_split,
+        BLOCK_M=WEIGHT_ONLY_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=splits > 1)
+    return y.to(x.dtype)
 
 
 # -- the conversion ---------------------------------------------------------------------------------
