@@ -3,10 +3,10 @@ weights, alternated with sparkchat's engine in one process.
 
 The weights go through `model.hf.save_hf_dir` (what `sparkchat export` writes) and load as transformers'
 `NanoChatForCausalLM` in the engine's dtype (bf16 on a GPU). Variants (`VARIANTS`):
-  plain           `generate` as it comes (its dynamic cache)
-  static          `cache_implementation="static"`
-  static_compiled the same, with `model.forward` compiled as transformers' docs on the static cache
-                  show (torch.compile, mode "reduce-overhead": CUDA graphs), a GPU only
+  plain           `generate` as it comes (its dynamic cache, never compiled)
+  static          `cache_implementation="static"`, `disable_compile=True`: the static cache uncompiled
+  static_compiled `cache_implementation="static"` with transformers' own compile of the decoding
+                  forward, which `generate` turns on by itself for a static cache on a GPU only
 Each round times one greedy reply of `new` ids (min_new_tokens = max_new_tokens, so no end token cuts
 it short) after the same prompt for each variant and for sparkchat's engine (model.engine.Engine, no
 stop ids, so also exactly `new` ids), first token included; a warm-up reply of each comes first
@@ -47,24 +47,17 @@ class HfRunner:
     def __init__(self, hf, variant: str):
         if variant not in VARIANTS:
             raise ValueError(f"transformers variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+        if variant == "static_compiled" and next(hf.parameters()).device.type != "cuda":
+            raise ValueError("static_compiled: transformers compiles generate's forward on a GPU only")
         self.hf, self.variant = hf, variant
-        self.forward = hf.forward
-        self.compiled = None
-        if variant == "static_compiled":
-            if next(hf.parameters()).device.type != "cuda":
-                raise ValueError("static_compiled: torch.compile with CUDA graphs needs a GPU")
-            self.compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        self.kw = {"plain": {}, "static": {"cache_implementation": "static", "disable_compile": True},
+                   "static_compiled": {"cache_implementation": "static", "disable_compile": False}}[variant]
 
     @torch.inference_mode()
     def reply(self, prompt: list[int], new: int) -> list[int]:
         ids = torch.tensor([prompt], device=next(self.hf.parameters()).device)
-        kw = {"cache_implementation": "static"} if self.variant != "plain" else {}
-        self.hf.forward = self.compiled or self.forward
-        try:
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                   min_new_tokens=new, pad_token_id=0, **kw)
-        finally:
-            self.hf.forward = self.forward
+        out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                               min_new_tokens=new, pad_token_id=0, **self.kw)
         return out[0, len(prompt):].tolist()
 
 
