@@ -175,6 +175,11 @@ for M, N, K in [(1, 96, 64), (5, 80, 200), (16, 64, 128)]:
         tol = 1e-5 if dt == torch.float32 else 2 ** -7 * float(ref.abs().max())
         assert y.dtype == dt and y.shape == (M, N)
         assert float((y.double() - ref).abs().max()) <= tol, (M, N, K, dt, split, float((y.double() - ref).abs().max()))
+    # the MLP's squared ReLU in the epilogue (a split asked for is ignored: it needs the whole sum)
+    x = torch.randn(M, K)
+    y = fw.weight_only_triton(x, q, inv.reshape(1, -1), block_n=16, block_k=32, split_k=2, act=fw.ACTS["relu2"])
+    ref = (x.double() @ fw.dequantise_rows(q, inv, torch.float64).t()).relu().square()
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), "relu2"
 print("ok")
 """
 
@@ -204,3 +209,47 @@ def test_fp8_quality_is_refused_on_a_cpu_with_the_reason():
     r = subprocess.run([sys.executable, "-m", "bench.fp8_quality"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode != 0 and "bench/fp8_quality.py: FP8 weights serve on a CUDA GPU" in r.stderr, r.stderr[-2000:]
+
+
+ENGINE_UNDER_INTERPRETER = """
+import triton.experimental.gluon  # the interpreter's lazy import of it is circular (3.9)
+import copy, sys
+import torch
+from model.chat import render
+from model.engine import Engine, EngineConfig
+from model.model_dir import load_model_dir
+from model.precision import fp8_weights
+from model.requests import SamplingParams
+from model.tie_rule import FP8_WEIGHTS_MARGIN, agreement, reference_greedy
+model, tok, _ = load_model_dir(sys.argv[1])
+fp8 = copy.deepcopy(model)
+fp8_weights.convert(fp8, torch.float32)
+assert sum(isinstance(m, fp8_weights.Fp8WeightMLP) for m in fp8.modules()) == 2
+acts, kernel = [], fp8_weights.weight_only_triton
+fp8_weights.weight_only_triton = lambda *a, **k: acts.append(k.get("act", 0)) or kernel(*a, **k)
+engine = Engine(fp8, EngineConfig(max_batch=4)).start()
+for q in sys.argv[2:]:
+    p = render(tok, [{"role": "user", "content": q}], for_completion=True)[0]
+    want, logits = reference_greedy(model, p, 12)
+    got = engine.generate(p, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    r = agreement(want, logits, got, FP8_WEIGHTS_MARGIN)
+    assert r.identical, (q, r)
+engine.shutdown()
+print("kernel calls", len(acts), "relu2", acts.count(fp8_weights.ACTS["relu2"]))
+"""
+
+
+def test_the_engine_decodes_through_the_triton_kernel_under_the_interpreter(conv_tool_model_dir, conv_tool_chats):
+    """The decode path with the kernel in it (each step's products, the fused MLP's squared ReLU): a trained
+    tiny model's greedy ids through the engine, the kernel run by Triton's interpreter on this CPU, equal to
+    the fp32 model's eager forward on the chats it learned."""
+    pytest.importorskip("triton")
+    questions = [chat[0]["content"] for chat in conv_tool_chats]
+    r = subprocess.run([sys.executable, "-c", ENGINE_UNDER_INTERPRETER, str(conv_tool_model_dir), *questions],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "TRITON_INTERPRET": "1",
+                            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls, relu2 = (int(v) for v in r.stdout.split()[-3::2])
+    # every decode step ran its 2 blocks' products in the kernel: qkv, proj, the fused MLP's two
+    assert calls >= 3 * 11 * 2 * 4 and relu2 == calls // 4, r.stdout

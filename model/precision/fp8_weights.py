@@ -20,8 +20,11 @@ The products, by the rows (tokens) of a call:
   - W8A8 (more rows: many streams, prefill): the activations are cast to e4m3 too, one scale a row
     (token), and torch._scaled_mm multiplies the FP8 operands with row-wise scales into bf16 (on a CPU,
     fp8.scaled_mm's exact dequantised product).
-  Which rows pay for which path is the GPU benchmark's to say (bench/serve_gpu.py --weights fp8);
-  WEIGHT_ONLY_MAX_ROWS is the kernel's one tile of rows, not a measured crossover.
+  Which rows pay for which path, and which of the kernel's tiles, is the GPU benchmarks' to say
+  (bench/fp8_gemv.py, bench/serve_client.py --weights bf16,fp8); WEIGHT_ONLY_MAX_ROWS is the kernel's
+  one tile of rows, not a measured crossover.
+A relu^2 MLP whose two Linears converted becomes an Fp8WeightMLP: at the weight-only rows the squared
+ReLU runs in the first product's epilogue, one kernel a layer fewer in a decode step (unmeasured).
 
 Which layers: training's LayerFilter (options.py): the output head stays in high precision, as in
 training, and so does the embedding (a lookup, not a product).
@@ -31,6 +34,8 @@ a CPU, before anything loads (`check`). The conversion and its products run anyw
 exercise this code (tests/test_fp8_weights.py).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
@@ -112,6 +117,25 @@ class Fp8WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights, a scale per row"
 
 
+class Fp8WeightMLP(nn.Module):
+    """A relu^2 MLP of two Fp8WeightLinears (children c_fc, c_proj, as the MLP's): up to
+    WEIGHT_ONLY_MAX_ROWS rows, the squared ReLU runs in the first product's epilogue instead of a kernel
+    of its own between the two (a decode step at a few streams: one kernel a layer fewer); more rows,
+    the children one by one."""
+
+    def __init__(self, c_fc: Fp8WeightLinear, c_proj: Fp8WeightLinear):
+        super().__init__()
+        self.c_fc, self.c_proj = c_fc, c_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.c_fc.in_features)
+        if x2.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+            return self.c_proj(F.relu(self.c_fc(x)).square())
+        h = torch.ops.sparkchat.fp8_weight_mm(x2, self.c_fc.qweight, self.c_fc.inv_scale, ACTS["relu2"])
+        y = torch.ops.sparkchat.fp8_weight_mm(h, self.c_proj.qweight, self.c_proj.inv_scale)
+        return y.reshape(*x.shape[:-1], self.c_proj.out_features)
+
+
 def w8a8(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     """x (M x K) @ W^T with x cast to e4m3 one scale a row, the product through fp8.scaled_mm (torch._scaled_mm
     on CUDA) with row-wise scales, in x's dtype. Rows padded with zeros to a multiple of 16 (FP8 GEMM shapes)."""
@@ -126,17 +150,22 @@ def w8a8(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor) -> tor
 
 # -- the weight-only product ------------------------------------------------------------------------
 
+ACTS = {"none": 0, "relu2": 1}  # what the product's epilogue applies (relu2: the MLP's relu(y)^2)
+
+
 @torch.library.custom_op("sparkchat::fp8_weight_mm", mutates_args=())
-def _fp8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """x (M x K, bf16/fp32) @ (q * inv_scale)^T in x's dtype: the Triton kernel on CUDA, else a dequantised
+def _fp8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor, act: int = 0) -> torch.Tensor:
+    """act(x (M x K, bf16/fp32) @ (q * inv_scale)^T) in x's dtype (act: ACTS' codes): the Triton kernel on
+    CUDA (or on a CPU under Triton's interpreter, TRITON_INTERPRET=1, which tests it), else a dequantised
     matmul. An op of its own: opaque to torch.compile, as the kernel must be."""
-    if x.is_cuda and triton_available():
-        return weight_only_triton(x, qweight, inv_scale)
-    return x @ dequantise_rows(qweight, inv_scale.reshape(-1), x.dtype).t()
+    if triton_available() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return weight_only_triton(x, qweight, inv_scale, act=act)
+    y = x @ dequantise_rows(qweight, inv_scale.reshape(-1), x.dtype).t()
+    return F.relu(y).square() if act == ACTS["relu2"] else y
 
 
 @_fp8_weight_mm.register_fake
-def _(x, qweight, inv_scale):
+def _(x, qweight, inv_scale, act=0):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -149,10 +178,11 @@ except ImportError:
 if triton is not None:
     @triton.jit
     def _weight_only_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+                            BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, ACT: tl.constexpr):
         """y[:, n-tile] (+)= x[:, k-range] @ (q[n-tile, k-range] * s[n-tile])^T for all M (<= BLOCK_M) rows:
         each weight byte read once and widened in registers, fp32 sums, the row scale applied at the end.
-        Program (n-tile, split): with several splits of K (ATOMIC) each adds its part into an fp32 output."""
+        Program (n-tile, split): with several splits of K (ATOMIC) each adds its part into an fp32 output.
+        ACT 1: relu(y)^2 on the way out (one split only: the whole sum first)."""
         pid, split = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,6 +201,9 @@ if triton is not None:
             acc += tl.dot(x, w, input_precision="tf32", out_dtype=tl.float32)
         s = tl.load(s_ptr + cols, mask=cols < N, other=0.0)
         y = acc * s[None, :]
+        if ACT == 1:
+            y = tl.maximum(y, 0.0)
+            y = y * y
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         if ATOMIC:
             tl.atomic_add(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
@@ -183,12 +216,12 @@ BLOCK_N, BLOCK_K, SPLIT_K = 32, 128, 1
 
 
 def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.Tensor, block_n: int = 0,
-                       block_k: int = 0, split_k: int = 0) -> torch.Tensor:
+                       block_k: int = 0, split_k: int = 0, act: int = 0) -> torch.Tensor:
     """The weight-only product through the Triton kernel (x: at most WEIGHT_ONLY_MAX_ROWS rows). Tiles and
     splits of K: the module's BLOCK_N, BLOCK_K and SPLIT_K unless given. With split_k > 1 the splits add
     into an fp32 buffer (zeroed first, cast after: two more small kernels) so that a narrow weight still
-    spreads over the GPU's cores."""
-    block_n, block_k, split_k = block_n or BLOCK_N, block_k or BLOCK_K, split_k or SPLIT_K
+    spreads over the GPU's cores. `act` (ACTS' codes) needs the whole sum, so it runs K in one piece."""
+    block_n, block_k, split_k = block_n or BLOCK_N, block_k or BLOCK_K, 1 if act else (split_k or SPLIT_K)
     M, K = x.shape
     N = qweight.shape[0]
     if M > WEIGHT_ONLY_MAX_ROWS:
@@ -199,7 +232,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, inv_scale: torch.
         torch.empty((M, N), dtype=x.dtype, device=x.device)
     _weight_only_kernel[(triton.cdiv(N, block_n), splits)](
         x.contiguous(), qweight.view(torch.uint8), inv_scale.reshape(-1), y, M, N, K, k_split,
-        BLOCK_M=WEIGHT_ONLY_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=splits > 1)
+        BLOCK_M=WEIGHT_ONLY_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=splits > 1, ACT=act)
     return y.to(x.dtype)
 
 
@@ -219,7 +252,13 @@ def convert(model: nn.Module, dtype: torch.dtype, layer_filter: LayerFilter | No
 
     swap_linears(model, layer_filter, quantise)
     model.to(dtype)
-    return swap_linears(model, lambda fqn, m: id(m) in made, lambda lin: made[id(lin)])
+    converted = swap_linears(model, lambda fqn, m: id(m) in made, lambda lin: made[id(lin)])
+    for name, mod in list(model.named_modules()):  # relu^2 MLPs whose two Linears converted: fused (Fp8WeightMLP)
+        children = [getattr(mod, c, None) for c in ("c_fc", "c_proj")]
+        if name and getattr(mod, "activation", None) == "relu2" and all(isinstance(c, Fp8WeightLinear) for c in children):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Fp8WeightMLP(*children))
+    return converted
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -229,5 +268,5 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for n, t in tensors if not n.startswith("wte"))
 
 
-__all__ = ["SERVE_WEIGHTS", "WEIGHT_ONLY_MAX_ROWS", "Fp8WeightLinear", "check", "convert", "dequantise_rows",
+__all__ = ["ACTS", "SERVE_WEIGHTS", "WEIGHT_ONLY_MAX_ROWS", "Fp8WeightLinear", "Fp8WeightMLP", "check", "convert", "dequantise_rows",
            "quantise_rows", "unavailable_reason", "w8a8", "weight_bytes", "weight_only_triton"]
