@@ -209,7 +209,7 @@ def parse_args(argv):
                          f"first one's figures get the plain keys, the others' the suffix _<weights> (default: "
                          f"%(default)s)")
     ap.add_argument("--levels", default="1,16,64,128", help="closed-loop streams (default: %(default)s)")
-    ap.add_argument("--rates", default="4,16", help="Poisson arrivals, requests a second (default: %(default)s)")
+    ap.add_argument("--rates", default="8,64", help="Poisson arrivals, requests a second (default: %(default)s)")
     ap.add_argument("--new", type=int, default=128, help="tokens a reply (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=6.0, help="each level's time in a round (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="(default: %(default)s)")
