@@ -293,9 +293,21 @@ def build_model(config: GPTConfig, state_dict: dict[str, torch.Tensor], device, 
     return model.to(dtype).eval()
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   weights: str = "bf16"):
     """Returns (model in eval mode, tokenizer, generation defaults). Raises ModelDirError naming the file
-    when the directory is damaged (see verify_model_dir) or a file cannot be parsed."""
+    when the directory is damaged (see verify_model_dir) or a file cannot be parsed. `weights` "fp8": the
+    Linear weights in FP8 with a scale per row, quantised from the checkpoint's fp32, the rest in `dtype`
+    (model/precision/fp8_weights.py; BackendUnavailable, before anything loads, where that cannot serve)."""
+    if weights == "fp8":
+        from .precision import fp8_weights
+        fp8_weights.check(device)
+        model, tok, gen = load_model_dir(path, device, torch.float32)
+        fp8_weights.convert(model, dtype)
+        return model, tok, gen
+    if weights != "bf16":
+        from .precision.options import SERVE_WEIGHTS
+        raise ValueError(f"weights must be one of {', '.join(SERVE_WEIGHTS)}; got {weights!r}")
     path = Path(path)
     verify_model_dir(path)
     if is_hf_dir(path):

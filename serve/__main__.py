@@ -69,9 +69,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"sparkchat serve: {e}") from None
     from model.device import resolve_device
     try:  # a device this machine lacks stops here too, not in the engine's load after the port opened
-        resolve_device(settings.device)
+        device = resolve_device(settings.device)
     except ValueError as e:
         raise SystemExit(f"sparkchat serve: --device {e}; leave --device out to use what there is") from None
+    if settings.weights == "fp8":  # so do FP8 weights where they cannot serve, before anything loads
+        from model.precision import BackendUnavailable, fp8_weights
+        try:
+            fp8_weights.check(device)
+        except BackendUnavailable as e:
+            raise SystemExit(f"sparkchat serve: {e}") from None
     from .supervisor import run
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "

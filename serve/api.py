@@ -183,7 +183,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
         if settings.engine_address:
             return Runtime.connect(settings.engine_address, settings.engine_authkey, metrics, **fields)
         return Runtime.spawn(settings.model_dir, metrics, settings.device, settings.max_batch,
-                             settings.max_queue, **fields)
+                             settings.max_queue, settings.weights, **fields)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

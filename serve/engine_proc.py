@@ -239,15 +239,16 @@ class EngineHost:
             peer.sock.shutdown(socket.SHUT_RDWR)
 
 
-def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
-    """(a started chat engine over the model directory, its hello info)."""
+def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int, weights: str = "bf16"):
+    """(a started chat engine over the model directory, its hello info); `weights`: load_model_dir's."""
     dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     t = time.perf_counter()
-    model, tok, gen = load_model_dir(model_dir, dev, dtype)
+    model, tok, gen = load_model_dir(model_dir, dev, dtype, weights)
     engine = chat_engine(model, tok, gen, max_batch=max_batch, max_queue=max_queue)
-    log.info("loaded %s on %s (%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
-             time.perf_counter() - t, model.num_params() / 1e6, engine.max_len)
+    log.info("loaded %s on %s (%s%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
+             ", FP8 Linear weights" if weights == "fp8" else "", time.perf_counter() - t, model.num_params() / 1e6,
+             engine.max_len)
     info = {"context_len": engine.max_len, "vocab_size": engine.vocab_size, "max_queue": engine.config.max_queue,
             "defaults": gen,
             "tokenizer": tok.to_str()}  # what a front end needs to render, check and sample: no weights
@@ -255,7 +256,7 @@ def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int):
 
 
 def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, address: str, authkey: bytes,
-         exit_on_failed_load: bool = False) -> None:
+         exit_on_failed_load: bool = False, weights: str = "bf16") -> None:
     """The engine process: listen at `address` at once, load the model, then serve every front end that
     connects. A load that fails is said to every front end instead, or with `exit_on_failed_load` ends
     this process with code 1 (`sparkchat serve`: a server that can never answer stops, saying why)."""
@@ -264,7 +265,7 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     threading.Thread(target=exit_with_parent, daemon=True).start()
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:
-        host, error = EngineHost(*load_engine(model_dir, device, max_batch, max_queue)), None
+        host, error = EngineHost(*load_engine(model_dir, device, max_batch, max_queue, weights)), None
         freeze_heap()
     except Exception as e:
         log.exception("loading the model failed")

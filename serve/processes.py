@@ -41,13 +41,13 @@ class EngineProcess:
     this one's threads), and where front ends connect to it (`address`, `authkey`: serve.wire.connect)."""
 
     def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int,
-                 exit_on_failed_load: bool = False):
+                 exit_on_failed_load: bool = False, weights: str = "bf16"):
         self.dir = tempfile.mkdtemp(prefix="sparkchat-")
         self.address, self.authkey = str(Path(self.dir) / "engine.sock"), secrets.token_bytes(16)
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=_engine_main, name="sparkchat-engine", daemon=True,
                                    args=(str(model_dir), device, max_batch, max_queue, self.address, self.authkey,
-                                         exit_on_failed_load))
+                                         exit_on_failed_load, weights))
         self.process.start()
 
     def stop(self) -> None:

@@ -322,9 +322,9 @@ class Runtime:
 
     @classmethod
     def spawn(cls, model_dir, metrics: Metrics, device: str | None = None, max_batch: int = Settings.max_batch,
-              max_queue: int = Settings.max_queue, **fields) -> "Runtime":
+              max_queue: int = Settings.max_queue, weights: str = Settings.weights, **fields) -> "Runtime":
         """Start an engine process of its own (stopped on close) and connect to it."""
-        proc = EngineProcess(model_dir, device, max_batch, max_queue)
+        proc = EngineProcess(model_dir, device, max_batch, max_queue, weights=weights)
         try:
             link = EngineLink.open(connect(proc.address, proc.authkey, proc.process))
         except BaseException:

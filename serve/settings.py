@@ -11,18 +11,20 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from model.precision.options import SERVE_WEIGHTS
 from model.requests import MAX_BATCH, MAX_QUEUE
 from sparkchat import paths
 
 API_KEY_ENV = "SPARKCHAT_API_KEY"
 
 
-def knob(default, help: str, flag: str | None = None, low=None, high=None, env: str | None = None, cli: bool = True):
+def knob(default, help: str, flag: str | None = None, low=None, high=None, choices=None, env: str | None = None,
+         cli: bool = True):
     """A field of Settings: `help` for its flag (`flag`, default --the-field-name; `cli` False: no flag, set
-    by the server's own processes), the range it must lie in, and an environment variable that gives its
-    default on the command line."""
-    return field(default=default, metadata={"help": help, "flag": flag, "low": low, "high": high, "env": env,
-                                            "cli": cli})
+    by the server's own processes), the range or the choices it must lie in, and an environment variable
+    that gives its default on the command line."""
+    return field(default=default, metadata={"help": help, "flag": flag, "low": low, "high": high, "choices": choices,
+                                            "env": env, "cli": cli})
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Settings:
     model_id: str = knob("sparkchat", "the model's name in the API: /v1/models and the requests' `model`",
                          flag="--served-model-name")
     # 1 MiB: far above any prompt that fits the context
+    weights: str = knob(SERVE_WEIGHTS[0], "how the Linear weights are held: bf16 (fp32 on a CPU), or fp8 (e4m3, a "
+                        "scale per output channel, quantised at load from the checkpoint; a GPU with FP8 tensor cores, "
+                        "sm_89+; docs/serving.md, 'FP8 weights')", choices=SERVE_WEIGHTS)
     max_body: int = knob(1 << 20, "the largest request body /v1 reads, in bytes; beyond it a 413",
                          flag="--max-body-bytes", low=1)
     # set by `sparkchat serve` for its front ends, not flags
@@ -72,6 +77,8 @@ class Settings:
             if (low is not None and not value >= low) or (high is not None and not value <= high):
                 bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{flag_of(f)} must be {bounds}, got {value}")
+            if f.metadata["choices"] and value not in f.metadata["choices"]:
+                raise ValueError(f"{flag_of(f)} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
 
 
 def flag_of(f) -> str:
@@ -94,7 +101,8 @@ def parser(prog: str = "sparkchat serve", description: str | None = None) -> arg
             continue
         kind = {int: int, float: float}.get(type(f.default), str)
         shown = "" if f.metadata["env"] or default is None else f" (default: {default})"
-        p.add_argument(name, dest=f.name, type=kind, default=default, metavar=name[2:].upper().replace("-", "_"),
+        p.add_argument(name, dest=f.name, type=kind, default=default, choices=f.metadata["choices"],
+                       metavar=None if f.metadata["choices"] else name[2:].upper().replace("-", "_"),
                        help=f.metadata["help"] + shown)
     return p
 

@@ -70,7 +70,7 @@ def run(settings: Settings, sock: socket.socket, log_level: str = "info") -> int
     metrics_dir = tempfile.mkdtemp(prefix="sparkchat-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # the front ends add up each other's counters (serve.metrics)
     engine = EngineProcess(settings.model_dir, settings.device, settings.max_batch, settings.max_queue,
-                           exit_on_failed_load=True)
+                           exit_on_failed_load=True, weights=settings.weights)
     frontend = dataclasses.replace(settings, engine_address=engine.address, engine_authkey=engine.authkey)
     ctx = multiprocessing.get_context("spawn")
 

@@ -9,12 +9,15 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench.serve import content_events, text_tokens_of
 from bench.serve_gpu import ENGINE_PROCESS_CPU, STEP_CPU, server_cpu, tree_cpu
 from bench.text_model import text_tokenizer, text_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
 from model.tokenizer import StreamDecoder
 
 
@@ -173,3 +176,55 @@ def test_the_steady_reference_keeps_every_row_busy_with_streams_that_start_and_e
     # its step phases, from the engine's counters: n / new requests end a step, each taken in before the next
     assert 0.25 <= r["admissions_per_step"] <= 1 and r["rows_per_admission"] >= 1
     assert r["decode_ms_per_step"] > r["wait_ms_per_step"] >= 0 and r["admit_ms_per_step"] > 0
+
+
+# ---- the client-side benchmark (bench/serve_client.py), the transformers peer and bench/check_keys.py ----
+
+def test_client_stats_from_request_records():
+    """TTFT from the send to the first content chunk, ITL between chunks, tokens from usage: a request
+    whose chunks never came counts its tokens but no latency."""
+    from bench.serve_client import client_stats, percentile
+    recs = [{"sent": 0.0, "chunks": [0.010, 0.012, 0.016], "end": 0.020, "tokens": 3},
+            {"sent": 0.005, "chunks": [0.025, 0.026], "end": 0.030, "tokens": 4},
+            {"sent": 0.010, "chunks": [], "end": 0.040, "tokens": 1}]
+    s = client_stats(recs)
+    assert s["requests"] == 3 and s["tokens"] == 8 and s["seconds"] == 0.04 and s["tokens_per_s"] == 200.0
+    assert s["ttft_ms_p50"] == pytest.approx(15.0) and s["itl_ms_p50"] == pytest.approx(2.0)
+    assert s["itl_ms_p99"] == pytest.approx(percentile([2.0, 4.0, 1.0], 99))
+    assert s["tpot_ms_p50"] == pytest.approx((3.0 + 1.0 / 3) / 2, rel=1e-3)  # 6/2 and 1/3 ms: their median
+    assert s["tokens_per_chunk"] == pytest.approx(8 / 5)
+    assert percentile([], 50) is None and percentile([5.0], 99) == 5.0
+
+
+def test_check_keys_names_what_is_missing_or_not_a_figure(tmp_path):
+    from bench.check_keys import main as check
+    from bench.stats import spread
+    good = {"commit": "abc1234", "date": "2026-12-07T00:00:00Z", "floor_fraction": spread([0.5, 0.6, 0.7]),
+            "deep": {"tokens_per_s_128": 100000.0, "x": [{"of_engine_64": 0.9}]}, "of_engine_128": spread([0.9]),
+            "over_transformers": 3.1}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(good))
+    assert check([str(f)]) == 0
+    bad = {**good, "over_transformers": True, "commit": ""}
+    del bad["floor_fraction"]
+    f.write_text(json.dumps(bad))
+    assert check([str(f)]) == 1
+    assert check([str(f), "tokens_per_s_128", "of_engine_64"]) == 0
+
+
+@pytest.mark.slow
+def test_client_benchmark_smoke_on_a_cpu(tmp_path, capsys):
+    """bench/serve_client.py end to end at depth 2 on this CPU, one round, one stream, one Poisson rate,
+    the transformers peer: its JSON carries the keys a CPU run measures; the floor needs a GPU."""
+    from bench.check_keys import main as check
+    out = tmp_path / "client.json"
+    r = subprocess.run([sys.executable, "-m", "bench.serve_client", "--device", "cpu", "--depth", "2", "--levels", "1",
+                        "--rates", "2", "--seconds", "1", "--rounds", "1", "--new", "8", "--peer", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["closed_loop"]["1"]["tokens_per_s"]["median"] > 0 and res["poisson"]["2"]["requests"]["median"] >= 0
+    assert res["transformers"]["greedy_ids_equal_first_variant"]  # the same weights: the same greedy ids
+    assert check([str(out), "tokens_per_s_1", "of_engine_1", "over_transformers", "commit", "date"]) == 0
+    assert check([str(out), "floor_fraction"]) == 1
+    assert "floor_fraction: missing" in capsys.readouterr().err

@@ -1,8 +1,14 @@
 #!/bin/bash
 # The GPU decode path: the GPU engine tests (greedy ids of the graph path against the eager one,
-# seeded sampling repeatable, ...), then bench/serve_gpu.py: the engine alone and through the HTTP API
-# at 1, 16, 64 and 128 streams, d20 shape, bf16, random weights (its flags pass through: "$@").
-#   bash bench/gpu/serve.sh [BENCH FLAGS...]     Environment: OUT (/tmp/sparkchat-bench/serve).
+# seeded sampling repeatable, ...) and FP8 serving weights' (tests/test_fp8_weights_gpu.py), the FP8
+# weight products' tiles against bf16 (bench/fp8_gemv.py), then
+# bench/serve_gpu.py: the engine alone and through the HTTP API at 1, 16, 64 and 128 streams, d20
+# shape, bf16, random weights (its flags pass through: "$@"), then bench/serve_client.py: bf16 and fp8
+# weights alternated in each of 3 rounds (an engine and a server each), closed-loop streams and Poisson
+# rates through the openai client beside the engine alone, the floor, transformers at one stream; its
+# raw JSON checked for the headline keys (bench/check_keys.py). CLIENT=0 leaves the client run out.
+#   bash bench/gpu/serve.sh [BENCH FLAGS...]     Environment: OUT (/tmp/sparkchat-bench/serve), CLIENT (1).
+#   SPARKCHAT_TRAINED_MODEL=DIR adds a trained model of your own to the FP8 greedy-ids test.
 # On a host without network, build the wheels of bench/gpu/wheels.txt into .whl/ first; they are
 # installed from there when present.
 set -o pipefail
@@ -17,4 +23,12 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m pytest -q -x -p no:warnings tests/test_engine_gpu.py 2>&1 | tail -3 | tee "$OUT/engine_gpu_tests.log"
+python3 -m pytest -q -p no:warnings tests/test_fp8_weights_gpu.py 2>&1 | tail -5 | tee "$OUT/fp8_weights_gpu_tests.log"
+python3 -m bench.fp8_gemv --out "$OUT/fp8_gemv.json" 2>&1 | grep -v -i warn | tee "$OUT/fp8_gemv.log"
 python3 -m bench.serve_gpu --http --out "$OUT/serve_gpu.json" "$@" 2>&1 | grep -v -i warn | tee "$OUT/serve_gpu.log"
+if [ "${CLIENT:-1}" != 0 ]; then
+  COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  python3 -m bench.serve_client --weights bf16,fp8 --rounds 3 --peer --serve-args=--no-ui --out "$OUT/serve_client_$COMMIT.json" 2>&1 \
+    | grep -v -i warn | tee "$OUT/serve_client.log"
+  python3 -m bench.check_keys "$OUT/serve_client_$COMMIT.json" 2>&1 | tee -a "$OUT/serve_client.log"
+fi

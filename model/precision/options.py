@@ -130,6 +130,11 @@ BACKEND_OPTIONS: dict[str, type[Options] | None] = {
 BACKEND_NAMES = tuple(BACKEND_OPTIONS)
 BackendName = Literal[BACKEND_NAMES]  # the allowed values of a `backend` setting
 
+# How the server holds the model's Linear weights (`sparkchat serve --weights`): bf16 (fp32 on a CPU) or
+# fp8, e4m3 with a scale per output channel (fp8_weights.py). Here, so the command line lists them without torch.
+ServeWeights = Literal["bf16", "fp8"]
+SERVE_WEIGHTS = choices(ServeWeights)
+
 
 def options_for(name: str, data: Mapping[str, Any] | Options | None = None) -> Options | None:
     """Backend `name`'s typed options: from a mapping of its fields (or none: the defaults), or checked
