@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.provenance import run_id
 from bench.stats import fmt, save_json, spread
 
 D20 = {"c_qkv": (3840, 1280), "attn.c_proj": (1280, 1280), "c_fc": (5120, 1280), "mlp.c_proj": (1280, 5120)}
@@ -39,7 +40,6 @@ def time_us(fn, iters: int) -> float:
 
 
 def main(argv=None) -> dict:
-    from bench.serve_gpu import git_commit
     from model.precision import fp8_weights as fw
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,4,16,32,64")
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"bench/fp8_gemv.py: {reason}")
     rows = [int(r) for r in args.rows.split(",")]
     res = {"command": "python -m bench.fp8_gemv " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "commit": run_id(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "rounds": args.rounds, "iters": args.iters, "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)

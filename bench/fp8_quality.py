@@ -32,7 +32,7 @@ def compare(bf16: dict, fp8: dict, tolerance: float = TOLERANCE) -> dict:
 def main(argv=None) -> dict:
     import torch
 
-    from bench.serve_gpu import git_commit
+    from bench.provenance import run_id
     from bench.stats import save_json
     from model.device import resolve_device
     from model.precision import fp8_weights
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     scores = {w: evaluate_model(args.model, path, p, device, benches, dtype=torch.bfloat16, weights=w)
               for w in ("bf16", "fp8")}
     res = {"command": "python -m bench.fp8_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "commit": run_id(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(path),
            "profile": getattr(p, "profile", None), **compare(scores["bf16"], scores["fp8"], args.tolerance)}
     for t, v in res["tasks"].items():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import run_id
 from bench.stats import fmt, save_json, spread
 
 VARIANTS = ("plain", "static", "static_compiled")
@@ -110,7 +111,7 @@ def measure(model, tok, gen: dict, prompt: list[int], new: int, rounds: int, var
 
 
 def main(argv=None) -> dict:
-    from bench.serve_gpu import d_model, git_commit
+    from bench.serve_gpu import d_model
     from bench.text_model import GENERATION, text_tokenizer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depth", type=int, default=20)
@@ -130,7 +131,7 @@ def main(argv=None) -> dict:
     from model.chat import render
     prompt = render(tok, [{"role": "user", "content": "Tell me about the sea."}], for_completion=True)[0]
     res = {"command": "python -m bench.hf_peer " + " ".join(argv or __import__("sys").argv[1:]),
-           "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "commit": run_id(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "depth": args.depth, "vocab": vocab,
            **measure(model, tok, {**GENERATION, "max_tokens": args.new}, prompt, args.new, args.rounds, variants)}

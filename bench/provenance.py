@@ -110,3 +110,12 @@ def _static() -> dict:
 def provenance() -> dict:
     """The record described at the top of this module (the date: this process's first call)."""
     return copy.deepcopy(_static())
+
+
+def run_id() -> str:
+    """One string naming the code that ran: the commit when the tree is clean, else the content hash of
+    the tree (and the commit it is based on, when known)."""
+    p = _static()
+    if p["commit"]:
+        return p["commit"]
+    return f"{p['base_commit'] + '+' if p['base_commit'] else ''}tree:{p['tree_hash'][:16]}"

@@ -47,6 +47,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.provenance import run_id  # noqa: E402
 from bench.stats import fmt, save_json, spread  # noqa: E402
 
 CLIENT_KEYS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50",
@@ -229,11 +230,11 @@ def main(argv=None) -> dict:
     import copy
 
     from bench.serve import running_server
-    from bench.serve_gpu import DEFAULT_VOCAB, chat_requests, copy_bandwidth, d_model, engine_round, git_commit
+    from bench.serve_gpu import DEFAULT_VOCAB, chat_requests, copy_bandwidth, d_model, engine_round
     from bench.text_model import GENERATION, text_tokenizer, write_model_dir
     from model.chat_engine import chat_engine
     from model.precision import fp8_weights
-    from serve.engine_proc import freeze_heap
+    from serve.processes import freeze_heap
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -250,7 +251,7 @@ def main(argv=None) -> dict:
     levels, rates = [int(x) for x in args.levels.split(",")], [float(x) for x in args.rates.split(",") if x]
     vocab = args.vocab or DEFAULT_VOCAB[args.device]
     res: dict = {"command": "python -m bench.serve_client " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "commit": run_id(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "device": torch.cuda.get_device_name() if gpu else f"cpu ({os.cpu_count()} cores)",
                  "torch": torch.__version__, "cuda": torch.version.cuda, "weights": args.weights,
                  "depth": args.depth, "vocab": vocab, "new_tokens": args.new, "rounds": args.rounds,
