@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from project_files import copy_project
+from project_files import committed_text, copy_project
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def deep_update(d: dict, u: dict) -> dict:
 def make_project(tmp: Path, overrides: dict) -> Path:
     proj = tmp / "proj"
     copy_project(ROOT, proj, leave_out=("bench",))  # the project's files only: never a .venv or caches
-    params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), overrides)
+    params = deep_update(yaml.safe_load(committed_text(ROOT, "params.yaml")), overrides)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["dvc", "config", "core.no_scm", "true"], cwd=proj, check=True, capture_output=True)
     subprocess.run(["dvc", "config", "core.analytics", "false"], cwd=proj, check=True, capture_output=True)

@@ -20,6 +20,7 @@ from model.precision.options import (BACKEND_OPTIONS, AutoOptions, Fp8Options, N
                                      TEFp8Options, parse_entry)
 from model.precision import base
 from model.precision import formats as fm
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -473,7 +474,7 @@ def test_probe_params_file(tmp_path):
 
     from pipeline.probe import main as probe_main
     shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(committed_text(ROOT, "params.yaml"))
     params["probe"].update(steps=2, depth=1, seq_len=16, batch=2, vocab=64)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     probe_main(["--params", str(tmp_path / "params.yaml"), "--backends", "bf16", "--device", "cpu",
