@@ -491,6 +491,22 @@ def test_probe_params_file(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_probe_writes_under_artifacts_where_git_does_not_look(tmp_path, monkeypatch):
+    """`sparkchat probe` without --out writes under artifacts/probe (where `auto` reads it), a path git
+    ignores: a probe in a checkout leaves `git status` clean."""
+    import subprocess
+
+    from pipeline.probe import main as probe_main
+    from sparkchat import paths
+    monkeypatch.chdir(tmp_path)
+    probe_main(["--backends", "bf16", "--device", "cpu", "--steps", "2", "--depth", "1", "--seq-len", "16",
+                "--batch", "2", "--vocab", "64"])
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == [str(paths.PROBE / name) for name in ("probe.json", "probe.md", "probe.partial.json")]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", *written], capture_output=True, text=True)
+    assert ignored.stdout.split() == written
+
+
 def test_probe_entry_layer_filter(tmp_path):
     """`fp8:skip=` converts every Linear, the head too (as nanochat's fp8 does), for that entry only;
     auto never picks such an entry, since the run would convert other layers."""
