@@ -124,6 +124,7 @@ def training_section() -> str:
 
 
 def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline: bool) -> str:
+    from model.hf import generate_stops
     from model.tokenizer import SYSTEM_TOKENS
     c = model.config
     meta = read_json(model_dir / "meta.json") or {}
@@ -177,7 +178,7 @@ print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_token
 ```
 
 `generation_config.json` holds sparkchat's sampling defaults (temperature {gen['temperature']}, top-k {gen['top_k']}, \
-top-p {gen['top_p']}) and stops at `<|assistant_end|>` or `<|bos|>`.
+top-p {gen['top_p']}) and stops at {" or ".join(f"`{s}`" for s in generate_stops(gen))}.
 
 ## Chat format
 
@@ -187,8 +188,9 @@ An assistant message's content may be a list of parts: `text`, `python` (a calcu
 `python_output` (its result, `<|output_start|>` ... `<|output_end|>`).
 
 - Calculator: {"the model was trained to call it" if gen.get("tool_use") else "this model is not set to call it"}. \
-sparkchat's server runs the call and feeds the result back; transformers' `generate` does not run tools, so a \
-reply that calls the calculator goes on to guess the output itself.
+sparkchat's server runs the call and feeds the result back; transformers' `generate` runs no tools, so it \
+stops after a call (`<|python_end|>`): evaluate the expression, append `<|output_start|>` result \
+`<|output_end|>` to the ids and generate again.
 - Text that looks like a control token: sparkchat encodes message text as plain text, so a user typing \
 `<|assistant_end|>` cannot end a turn. A transformers tokenizer matches such text as the control token (the chat \
 template relies on that): for untrusted text call the tokenizer with `split_special_tokens=True`, and know that \
