@@ -173,8 +173,8 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-3)
     assert got["val_bpb_text"] == pytest.approx(want["val_bpb_text"], abs=1e-3)
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
-    plot = paths.plot_file("pretrain")
-    assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"
+    for plot in (paths.plot_file("pretrain"), paths.val_file("pretrain")):
+        assert (proj / plot).read_text() == (ref / plot).read_text(), f"the resumed {plot} differs from the unbroken run's"
 
 
 def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):
