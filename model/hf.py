@@ -267,7 +267,7 @@ def save_hf_dir(path: str | Path, model: GPT, tok: SparkTokenizer, gen: dict, ca
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # beside it: one filesystem to run out of room on
         # transformers' own writers make the JSON files (its field names, its version stamp); they are
         # then moved into place one by one like the weights
         hf_config(config, tok).save_pretrained(tmp)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -213,13 +215,31 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"export: --out {out} is the model directory itself; choose another")
 
     from model.hf import save_hf_dir
-    from model.model_dir import ModelDirError, load_model_dir
+    from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir
+    from model.no_room import no_room_errno, no_room_error
     try:
         model, tok, gen = load_model_dir(model_dir)
     except ModelDirError as e:
         raise SystemExit(f"export: {e}") from None
     from_pipeline = model_dir.resolve() == paths.CHAT_MODEL.resolve()
-    save_hf_dir(out, model, tok, gen, card=model_card(model, tok, gen, model_dir, out, from_pipeline))
+    card = model_card(model, tok, gen, model_dir, out, from_pipeline)
+    # written beside --out first and moved in whole: a run that fails (a full disk) leaves no partial directory
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        save_hf_dir(staging, model, tok, gen, card=card)
+    except Exception as e:
+        code = no_room_errno(e)
+        error = no_room_error(out, code) if code else None  # the free space as the write found it
+        shutil.rmtree(staging, ignore_errors=True)
+        if error is None:
+            raise
+        raise SystemExit(f"export: {error}. Free some space and run it again") from None
+    out.mkdir(exist_ok=True)
+    for f in sorted(staging.iterdir(), key=lambda f: f.name == CHECKSUMS):  # checksums.json last, as written
+        os.replace(f, out / f.name)
+    staging.rmdir()
     print(f"export: {model_dir} -> {out} (transformers NanoChatForCausalLM, {model.num_params():,} parameters)",
           file=sys.stderr)
 
