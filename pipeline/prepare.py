@@ -30,7 +30,6 @@ from model.no_room import NoRoomError, no_room_errno, no_room_error
 from sparkchat import paths
 
 from . import synthetic
-
 from .config import ConfigError, Params, load_params
 from .metrics import write_json, write_reports
 from .sources import SourceError, iter_conversations, iter_documents
@@ -201,7 +200,7 @@ def prepare_pretrain(p: Params, folder: Path, shard_chars: int = SHARD_CHARS, gr
 
 
 def outputs(out: Path) -> list[Path]:
-    """What prepare writes under `out` (dvc.yaml's outs of the stage, but its report)."""
+    """What prepare writes under `out` (the stage's outs in dvc.yaml, its report aside)."""
     return [out / f.relative_to(paths.DATA) for f in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN,
                                                        paths.CHAT_VAL, paths.EVAL_ITEMS)]
 
