@@ -1,6 +1,6 @@
 # The two set-up commands (README): `make repro` trains the default chat model, `make test` runs the tests.
 # Both install first. torch is pinned to the CPU wheel for a CPU machine; on a GPU machine install
-# your CUDA torch first and use `pip install -e '.[dev]'` directly (pyproject accepts torch 2.5-2.14).
+# your CUDA torch first and use `pip install -e '.[dev]'` directly (pyproject.toml holds the torch range it accepts).
 PYTHON ?= python
 TORCH ?= torch==2.13.0
 

@@ -35,6 +35,7 @@ def main(argv=None) -> dict:
     from bench.provenance import run_id
     from bench.stats import save_json
     from model.device import resolve_device
+    from model.model_dir import load_model_dir
     from model.precision import fp8_weights
     from pipeline.config import load_params
     from pipeline.evaluate import evaluate_model, load_benchmarks
@@ -53,8 +54,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"bench/fp8_quality.py: {reason}")
     benches = load_benchmarks(p)
     path = paths.EVAL_MODELS[args.model]
-    scores = {w: evaluate_model(args.model, path, p, device, benches, dtype=torch.bfloat16, weights=w)
-              for w in ("bf16", "fp8")}
+    loads = {"bf16": load_model_dir, "fp8": fp8_weights.load_model_dir}
+    scores = {w: evaluate_model(args.model, path, p, device, benches, dtype=torch.bfloat16, load=load)
+              for w, load in loads.items()}
     res = {"command": "python -m bench.fp8_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
            "commit": run_id(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(path),

@@ -206,7 +206,7 @@ def engine_counters(engine: Engine) -> dict:
 
 def served_counters(metrics: dict) -> dict | None:
     """engine_counters' figures from a server's scrape; None from a server that lacks them."""
-    names = {"steps": "sparkchat_decode_steps", "steps_ahead": "sparkchat_decode_steps_ahead_total",
+    names = {"steps": "sparkchat_decode_steps_total", "steps_ahead": "sparkchat_decode_steps_ahead_total",
              "admissions": "sparkchat_engine_admissions_total",
              "admitted_rows": "sparkchat_engine_admitted_requests_total",
              **{f"{p}_s": f'sparkchat_engine_phase_seconds_total{{phase="{p}"}}' for p in PHASES}}
@@ -288,9 +288,9 @@ def http_round(base: str, pid: int, tokenizer: Path, n: int, new: int, seconds: 
            "server_over_client_cpu": None if cpu["server_cpu_s"] is None or not r.client_cpu_s
            else round(cpu["server_cpu_s"] / r.client_cpu_s, 4)}
     m0, m1 = before["metrics"], after["metrics"]
-    if all(k in m0 and k in m1 for k in ("sparkchat_decode_steps", "sparkchat_engine_cpu_seconds")):
-        out.update(host_share(tokens, int(m1["sparkchat_decode_steps"] - m0["sparkchat_decode_steps"]),
-                              m1["sparkchat_engine_cpu_seconds"] - m0["sparkchat_engine_cpu_seconds"], r.seconds))
+    steps, engine_cpu = "sparkchat_decode_steps_total", "sparkchat_engine_cpu_seconds_total"
+    if all(k in m0 and k in m1 for k in (steps, engine_cpu)):
+        out.update(host_share(tokens, int(m1[steps] - m0[steps]), m1[engine_cpu] - m0[engine_cpu], r.seconds))
     c0, c1 = served_counters(m0), served_counters(m1)
     if c0 and c1:
         out.update(step_phases(c0, c1))

@@ -153,16 +153,23 @@ def gpt_config(cfg) -> GPTConfig:
 
 # ---- generation defaults ----
 
+def generate_stops(gen: dict) -> tuple[str, ...]:
+    """The tokens transformers' `generate` stops at: the end of the reply, and with the calculator
+    (`tool_use`) the end of a call too. generate runs no tool, so it hands the call back: the caller
+    evaluates it, appends <|output_start|>result<|output_end|> and generates on (sparkchat's engine does so itself)."""
+    return STOP_TOKENS + (("<|python_end|>",) if gen.get("tool_use") else ())
+
+
 def generation_config(gen: dict, tok: SparkTokenizer):
-    """transformers' GenerationConfig holding sparkchat's sampling defaults (generation.json) and stop tokens.
-    `tool_use` rides along for sparkchat's server: transformers ignores it (generate runs no calculator)."""
+    """transformers' GenerationConfig holding sparkchat's sampling defaults (generation.json) and stop tokens
+    (generate_stops). `tool_use` rides along for sparkchat's server: transformers ignores it."""
     from transformers import GenerationConfig
     greedy = float(gen["temperature"]) == 0.0
     sampling = {} if greedy else {"temperature": float(gen["temperature"]), "top_k": int(gen["top_k"] or 0),
                                   "top_p": float(gen["top_p"])}
     return GenerationConfig(do_sample=not greedy, **sampling, max_new_tokens=int(gen["max_tokens"]),
                             bos_token_id=tok.special[BOS], pad_token_id=tok.special[PAD],
-                            eos_token_id=[tok.special[t] for t in STOP_TOKENS], tool_use=bool(gen.get("tool_use")))
+                            eos_token_id=[tok.special[t] for t in generate_stops(gen)], tool_use=bool(gen.get("tool_use")))
 
 
 def generation_defaults(path: Path, tok: SparkTokenizer) -> dict:
@@ -261,7 +268,7 @@ def save_hf_dir(path: str | Path, model: GPT, tok: SparkTokenizer, gen: dict, ca
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # beside it: one filesystem to run out of room on
         # transformers' own writers make the JSON files (its field names, its version stamp); they are
         # then moved into place one by one like the weights
         hf_config(config, tok).save_pretrained(tmp)

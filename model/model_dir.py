@@ -24,13 +24,10 @@ checkpoints use the same helpers (`write_atomic`, `file_record`, `check_file`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from .gpt import GPT, GPTConfig
 from .model_info import DEFAULT_GENERATION
+from .no_room import NO_ROOM, NoRoomError, no_room_errno, no_room_error  # noqa: F401  (NO_ROOM, NoRoomError: importers')
 from .tokenizer import SparkTokenizer
 
 log = logging.getLogger(__name__)
@@ -55,19 +53,6 @@ TRUST_ENV = "SPARKCHAT_TRUST_UNVERIFIED_MODEL"
 
 class ModelDirError(Exception):
     """A model directory that cannot be loaded; the message names the directory and the file."""
-
-
-# a write that failed for want of room: its errno, and what it means in words
-NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-           errno.EFBIG: "the file size limit of this process (`ulimit -f`) reached"}
-
-
-class NoRoomError(OSError):
-    """A file could not be written for want of room; the message is one line naming the file and the
-    space left on its filesystem."""
-
-    def __str__(self) -> str:
-        return self.strerror  # the line itself, without OSError's "[Errno 28]"
 
 
 # ---- files written atomically, with a checksum to verify them by ----
@@ -87,34 +72,6 @@ def temp_name(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def _write_errno(e: BaseException | None) -> int | None:
-    """The errno of a failed write: an OSError's own, or the one Rust's io::Error prints ("... (os error
-    28)"), which safetensors and tokenizers raise as their own exception types. Looked for down the
-    chain: torch.save's writer raises a RuntimeError of its own while the OSError is being handled."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno
-        found = re.search(r"\(os error (\d+)\)", str(e))
-        if found:
-            return int(found.group(1))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def no_room_error(path: Path, code: int) -> NoRoomError:
-    """The one-line error for a write of `path` that failed with errno `code` (a key of NO_ROOM)."""
-    free = shutil.disk_usage(path.parent).free
-    return NoRoomError(code, f"cannot write {path}: {NO_ROOM[code]}; {_size(free)} free on the filesystem "
-                             f"holding {path.parent}")
-
-
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` writes the file under a temporary name; it is fsynced, then renamed over `path`, so a
     crash leaves either the old file or the new one, each complete. A write that fails for want of room
@@ -129,8 +86,8 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         finally:
             os.close(fd)
     except Exception as e:
-        code = _write_errno(e)
-        if code not in NO_ROOM:
+        code = no_room_errno(e)
+        if code is None:
             raise
         tmp.unlink(missing_ok=True)  # the partial file would only hold on to the space that ran out
         raise no_room_error(path, code) from None
@@ -293,21 +250,10 @@ def build_model(config: GPTConfig, state_dict: dict[str, torch.Tensor], device, 
     return model.to(dtype).eval()
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                   weights: str = "bf16"):
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Returns (model in eval mode, tokenizer, generation defaults). Raises ModelDirError naming the file
-    when the directory is damaged (see verify_model_dir) or a file cannot be parsed. `weights` "fp8": the
-    Linear weights in FP8 with a scale per row, quantised from the checkpoint's fp32, the rest in `dtype`
-    (model/precision/fp8_weights.py; BackendUnavailable, before anything loads, where that cannot serve)."""
-    if weights == "fp8":
-        from .precision import fp8_weights
-        fp8_weights.check(device)
-        model, tok, gen = load_model_dir(path, device, torch.float32)
-        fp8_weights.convert(model, dtype)
-        return model, tok, gen
-    if weights != "bf16":
-        from .precision.options import SERVE_WEIGHTS
-        raise ValueError(f"weights must be one of {', '.join(SERVE_WEIGHTS)}; got {weights!r}")
+    when the directory is damaged (see verify_model_dir) or a file cannot be parsed. (Its Linear weights in
+    FP8, as a server may hold them: model.precision.fp8_weights.load_model_dir.)"""
     path = Path(path)
     verify_model_dir(path)
     if is_hf_dir(path):

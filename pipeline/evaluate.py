@@ -159,9 +159,10 @@ def centered(scores: dict, chance: dict, benches: list[Benchmark], chat: bool) -
 
 
 def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Benchmark], dtype=torch.float32,
-                   weights: str = "bf16") -> dict:
-    """`dtype` and `weights`: load_model_dir's (bench/fp8_quality.py scores a model as the server would hold it)."""
-    model, tok, gen = load_model_dir(path, device=device, dtype=dtype, weights=weights)
+                   load=load_model_dir) -> dict:
+    """`dtype` and `load(path, device, dtype)`: how the model is loaded (bench/fp8_quality.py scores a model
+    as the server would hold it)."""
+    model, tok, gen = load(path, device, dtype)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
     val = TokenStream(open_tokens(paths.PRETRAIN_VAL_TOKENS, tok).ids, 8, seq_len)

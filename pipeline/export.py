@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -124,6 +126,7 @@ def training_section() -> str:
 
 
 def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline: bool) -> str:
+    from model.hf import generate_stops
     from model.tokenizer import SYSTEM_TOKENS
     c = model.config
     meta = read_json(model_dir / "meta.json") or {}
@@ -177,7 +180,7 @@ print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_token
 ```
 
 `generation_config.json` holds sparkchat's sampling defaults (temperature {gen['temperature']}, top-k {gen['top_k']}, \
-top-p {gen['top_p']}) and stops at `<|assistant_end|>` or `<|bos|>`.
+top-p {gen['top_p']}) and stops at {" or ".join(f"`{s}`" for s in generate_stops(gen))}.
 
 ## Chat format
 
@@ -187,8 +190,9 @@ An assistant message's content may be a list of parts: `text`, `python` (a calcu
 `python_output` (its result, `<|output_start|>` ... `<|output_end|>`).
 
 - Calculator: {"the model was trained to call it" if gen.get("tool_use") else "this model is not set to call it"}. \
-sparkchat's server runs the call and feeds the result back; transformers' `generate` does not run tools, so a \
-reply that calls the calculator goes on to guess the output itself.
+sparkchat's server runs the call and feeds the result back; transformers' `generate` runs no tools, so it \
+stops after a call (`<|python_end|>`): evaluate the expression, append `<|output_start|>` result \
+`<|output_end|>` to the ids and generate again.
 - Text that looks like a control token: sparkchat encodes message text as plain text, so a user typing \
 `<|assistant_end|>` cannot end a turn. A transformers tokenizer matches such text as the control token (the chat \
 template relies on that): for untrusted text call the tokenizer with `split_special_tokens=True`, and know that \
@@ -211,13 +215,31 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"export: --out {out} is the model directory itself; choose another")
 
     from model.hf import save_hf_dir
-    from model.model_dir import ModelDirError, load_model_dir
+    from model.model_dir import CHECKSUMS, ModelDirError, load_model_dir
+    from model.no_room import no_room_errno, no_room_error
     try:
         model, tok, gen = load_model_dir(model_dir)
     except ModelDirError as e:
         raise SystemExit(f"export: {e}") from None
     from_pipeline = model_dir.resolve() == paths.CHAT_MODEL.resolve()
-    save_hf_dir(out, model, tok, gen, card=model_card(model, tok, gen, model_dir, out, from_pipeline))
+    card = model_card(model, tok, gen, model_dir, out, from_pipeline)
+    # written beside --out first and moved in whole: a run that fails (a full disk) leaves no partial directory
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        save_hf_dir(staging, model, tok, gen, card=card)
+    except Exception as e:
+        code = no_room_errno(e)
+        error = no_room_error(out, code) if code else None  # the free space as the write found it
+        shutil.rmtree(staging, ignore_errors=True)
+        if error is None:
+            raise
+        raise SystemExit(f"export: {error}. Free some space and run it again") from None
+    out.mkdir(exist_ok=True)
+    for f in sorted(staging.iterdir(), key=lambda f: f.name == CHECKSUMS):  # checksums.json last, as written
+        os.replace(f, out / f.name)
+    staging.rmdir()
     print(f"export: {model_dir} -> {out} (transformers NanoChatForCausalLM, {model.num_params():,} parameters)",
           file=sys.stderr)
 

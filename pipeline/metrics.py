@@ -19,7 +19,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except BaseException:  # a partial file would only hold on to the space that ran out
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

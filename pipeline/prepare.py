@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -25,9 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from . import synthetic
+from model.no_room import NoRoomError, no_room_errno, no_room_error
 from sparkchat import paths
 
+from . import synthetic
 from .config import ConfigError, Params, load_params
 from .metrics import write_json, write_reports
 from .sources import SourceError, iter_conversations, iter_documents
@@ -194,8 +196,36 @@ def prepare_pretrain(p: Params, folder: Path, shard_chars: int = SHARD_CHARS, gr
     return info
 
 
+def outputs(out: Path) -> list[Path]:
+    """What prepare writes under `out` (the stage's outs in dvc.yaml, its report aside)."""
+    return [out / f.relative_to(paths.DATA) for f in (paths.PRETRAIN_SHARDS, paths.MID_TRAIN, paths.SFT_TRAIN,
+                                                       paths.CHAT_VAL, paths.EVAL_ITEMS)]
+
+
 def prepare(p: Params, out: Path = paths.DATA, shard_chars: int = SHARD_CHARS, group_chars: int = ROW_GROUP_CHARS) -> dict:
-    """Writes the data under `out`; returns what it read (the stage's details report)."""
+    """Writes the data under `out`; returns what it read (the stage's details report). A write that fails
+    for want of room (a full disk, a quota, `ulimit -f`: pyarrow's and datasets' writers raise the OSError)
+    removes every output, so no partial data is left to hold the space, and raises NoRoomError."""
+    try:
+        return _prepare(p, out, shard_chars, group_chars)
+    except Exception as e:
+        code = no_room_errno(e)
+        if code is None:
+            raise
+        error = no_room_error(out, code)  # the free space as the write found it, before the removal
+        remove_outputs(out)
+        raise error from None
+
+
+def remove_outputs(out: Path) -> None:
+    for f in outputs(out):
+        if f.is_dir():
+            shutil.rmtree(f)
+        else:
+            f.unlink(missing_ok=True)
+
+
+def _prepare(p: Params, out: Path, shard_chars: int, group_chars: int) -> dict:
     d = p.data
     out.mkdir(parents=True, exist_ok=True)
     # -- pretraining text, streamed to shards (paths.PRETRAIN_SHARDS relative to `out`)
@@ -242,9 +272,17 @@ def prepare(p: Params, out: Path = paths.DATA, shard_chars: int = SHARD_CHARS, g
 def main(argv=None) -> None:
     try:
         stats = prepare(load_params(stage="prepare"))
+        write_reports("prepare", details=stats)  # counts of what it read: no headline metric
     except (ConfigError, SourceError) as e:
         raise SystemExit(f"prepare: {e}") from None
-    write_reports("prepare", details=stats)  # counts of what it read: no headline metric
+    except OSError as e:  # no room for the data (NoRoomError, its outputs removed) or for the report
+        code = no_room_errno(e)
+        if code is None:
+            raise
+        if not isinstance(e, NoRoomError):
+            e = no_room_error(paths.details_file("prepare"), code)
+            remove_outputs(paths.DATA)
+        raise SystemExit(f"prepare: {e}. Free some space and run it again") from None
     print(f"prepare: {stats['pretrain_train_chars']:,} train chars in {stats['pretrain_train_docs']} pieces, "
           f"{stats['pretrain_val_chars']:,} val chars ({stats['pretrain_shards']} shards; token budget "
           f"{'reached' if stats['pretrain_budget_reached'] else 'not reached: the sources ran out'}; "

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from model.precision.options import ProbeOptions
+from sparkchat import paths
 
 from .config import ConfigError, load_params
 
@@ -37,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
                    help="token ids (.npy, or uint16 .bin) instead of synthetic Markov data (default: synthetic)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--no-compile", action="store_true", help="run uncompiled (default: compile on CUDA)")
-    p.add_argument("--out", default=".", help="folder for probe.json and probe.md (default: %(default)s)")
+    # under artifacts/ (git-ignored), where `precision.backend: auto` looks: a probe leaves the tree clean
+    p.add_argument("--out", default=str(paths.PROBE),
+                   help="folder for probe.json, probe.md and probe.partial.json (default: %(default)s)")
     p.add_argument("--merge", nargs="+", metavar="PROBE_JSON",
                    help="probe nothing: merge probe.json files of one configuration into --out (default: off)")
     return p

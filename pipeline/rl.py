@@ -199,7 +199,9 @@ def rl_step(run: RLRun, model, step: int, autocast) -> tuple[float, float, dict]
 
 
 def heldout_row(step: int, scores: dict) -> dict:
-    return {"step": step, **{f"{t}_{k}": v for t, s in scores.items() for k, v in s.items()}}
+    """The held-out plot's row: pass@1 and pass@k over the tasks (what the headline reports), then each task's."""
+    return {"step": step, **{k: mean_over_tasks(scores, k) for k in ("pass1", "passk")},
+            **{f"{t}_{k}": v for t, s in scores.items() for k, v in s.items()}}
 
 
 def loop(run: RLRun, start_step: int) -> float:
@@ -208,7 +210,8 @@ def loop(run: RLRun, start_step: int) -> float:
     r, h = run.r, run.history
     model = ddp(run.model, run.device) if run.world > 1 and not run.sharded else run.model
     autocast = run.backend.autocast(run.device)
-    columns = ["step"] + [f"{t}_{k}" for t, items in run.heldout.items() if items for k in ("pass1", "passk")]
+    columns = ["step", "pass1", "passk"] + [f"{t}_{k}" for t, items in run.heldout.items() if items
+                                            for k in ("pass1", "passk")]
     plot = TSVLog(paths.plot_file(STAGE), ["step", "reward", "reply_tokens", "lr"], h.setdefault("log_rows", [])) \
         if run.rank == 0 else None
     held = TSVLog(paths.RL_HELDOUT, columns, h.setdefault("heldout_rows", [])) if run.rank == 0 else None
@@ -286,7 +289,7 @@ def copy_sft() -> dict:
     shutil.copytree(INIT, OUT)
     write_reports(STAGE, {}, {"enabled": False}, {})
     TSVLog(paths.plot_file(STAGE), ["step", "reward", "reply_tokens", "lr"])
-    TSVLog(paths.RL_HELDOUT, ["step"])
+    TSVLog(paths.RL_HELDOUT, ["step", "pass1", "passk"])  # the plot's columns, no rows
     log(f"{STAGE}: rl.enabled is false: {INIT} copied unchanged to {OUT}")
     return {"enabled": False}
 

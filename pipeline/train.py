@@ -319,8 +319,12 @@ def loop(run: Run, start_step: int, history: dict) -> Progress:
     # the loss curve holds only what a resumed run reproduces exactly (no timings), and its rows so far
     # travel in the checkpoint: DVC deletes a stage's outputs before running it, so a resumed stage
     # rewrites the rows before its checkpoint and the plot (and its dvc.lock hash) match an unbroken run
-    plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr", "val_bpb"], history.setdefault("log_rows", [])) \
+    plot = TSVLog(paths.plot_file(stage), ["step", "loss", "lr"], history.setdefault("log_rows", [])) \
         if run.rank == 0 else None
+    val_plot = TSVLog(paths.val_file(stage), ["step", "val_bpb"], history.setdefault("val_rows", [])) \
+        if run.rank == 0 else None
+    # tokens/s differs on every run: a timings file (git-ignored, undeclared), this run's logged steps
+    speed_plot = TSVLog(paths.throughput_file(stage), ["step", "tokens_per_s"]) if run.rank == 0 else None
 
     def run_eval() -> float:
         model.eval()
@@ -357,6 +361,8 @@ def loop(run: Run, start_step: int, history: dict) -> Progress:
             if sustained_from is None:
                 sustained_from = (done, time.perf_counter())
             sustained_to = time.perf_counter()  # the last step's is before the final evaluation
+            if speed_plot is not None:
+                speed_plot.log(step=done, tokens_per_s=round(out.tokens_per_s))
             bar.set_postfix(loss=f"{out.loss:.3f}", tok_s=f"{out.tokens_per_s:,.0f}",
                             **({"mfu": f"{out.mfu:.1%}"} if out.mfu else {}))
         val_bpb = run_eval() if evaluate_now else None
@@ -366,7 +372,9 @@ def loop(run: Run, start_step: int, history: dict) -> Progress:
         if val_bpb is not None:
             history["val_bpb"] = val_bpb
         if plot is not None and row:
-            plot.log(step=done, loss=out.loss, lr=mult, val_bpb=val_bpb if val_bpb else "")
+            plot.log(step=done, loss=out.loss, lr=mult)
+        if val_plot is not None and val_bpb is not None:
+            val_plot.log(step=done, val_bpb=val_bpb)
         if checkpoint_now:
             save(run, done, history)
         bar.update(1)

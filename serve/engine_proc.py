@@ -240,11 +240,15 @@ class EngineHost:
 
 
 def load_engine(model_dir, device: str | None, max_batch: int, max_queue: int, weights: str = "bf16"):
-    """(a started chat engine over the model directory, its hello info); `weights`: load_model_dir's."""
+    """(a started chat engine over the model directory, its hello info); `weights`: serve.settings'."""
     dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     t = time.perf_counter()
-    model, tok, gen = load_model_dir(model_dir, dev, dtype, weights)
+    if weights == "fp8":
+        from model.precision import fp8_weights
+        model, tok, gen = fp8_weights.load_model_dir(model_dir, dev, dtype)
+    else:
+        model, tok, gen = load_model_dir(model_dir, dev, dtype)
     engine = chat_engine(model, tok, gen, max_batch=max_batch, max_queue=max_queue)
     log.info("loaded %s on %s (%s%s) in %.2fs: %.1fM parameters, context %d", model_dir, dev, dtype,
              ", FP8 Linear weights" if weights == "fp8" else "", time.perf_counter() - t, model.num_params() / 1e6,

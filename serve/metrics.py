@@ -1,6 +1,9 @@
 """Prometheus metrics of one server, on their own registry (so several apps can live in one process).
 
-Requests, tokens and time to first token are counted by each front end; with several front-end
+A running total is a counter (its samples end in `_total`), a level a gauge. Requests and tokens are
+counted, and the three latencies every serving dashboard starts from observed as histograms (named as
+vLLM names its own), by each front end: time to first token, the time between a stream's deliveries of
+tokens (inter-token) and a request's end-to-end time; with several front-end
 processes `sparkchat serve` sets PROMETHEUS_MULTIPROC_DIR and any front end's /metrics adds them all up
 (prometheus_client's multiprocess mode). The engine's figures come from the engine process itself,
 asked at each scrape (`engine`: its latest answer)."""
@@ -13,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
@@ -24,7 +28,14 @@ class Metrics:
         self.completion_tokens = Counter("sparkchat_completion_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("sparkchat_time_to_first_token_seconds",
                               "From a request's submission to its first generated token", registry=r,
-                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("sparkchat_inter_token_latency_seconds",
+                             "From one delivery of a stream's tokens to its next (one token a step while it keeps "
+                             "up; a reader that falls behind gets several in one)", registry=r,
+                             buckets=(.001, .0025, .005, .01, .02, .04, .06, .08, .1, .25, .5, 1, 2.5))
+        self.e2e = Histogram("sparkchat_e2e_request_latency_seconds",
+                             "From a request's submission to its last token, for requests that were not cancelled",
+                             registry=r, buckets=LATENCY_BUCKETS + (60, 120))
         self.loaded = False
         self.engine: dict | None = None  # the engine's counters at the last scrape (EngineLink.stats)
         r.register(self)
@@ -37,10 +48,11 @@ class Metrics:
             return
         yield GaugeMetricFamily("sparkchat_queue_depth", "Requests waiting for a batch row", value=e["queue_depth"])
         yield GaugeMetricFamily("sparkchat_active_sequences", "Sequences in the running batch", value=e["num_active"])
-        yield GaugeMetricFamily("sparkchat_decode_steps", "Decode steps run since start (a total: completion "
-                                "tokens per step is the mean batch)", value=e["steps"])
-        yield GaugeMetricFamily("sparkchat_engine_cpu_seconds", "CPU time of the engine's scheduler thread since "
-                                "start (near wall time: the host, not the device, sets the pace)", value=e["cpu_seconds"])
+        yield CounterMetricFamily("sparkchat_decode_steps", "Decode steps run since start (completion tokens "
+                                  "per step is the mean batch)", value=e["steps"])
+        yield CounterMetricFamily("sparkchat_engine_cpu_seconds", "CPU time of the engine's scheduler thread since "
+                                  "start (near wall time: the host, not the device, sets the pace)",
+                                  value=e["cpu_seconds"])
         yield CounterMetricFamily("sparkchat_engine_step_cpu_seconds", "CPU time (time.thread_time) the engine's "
                                   "scheduler thread spent inside engine steps, not in handing their tokens on or "
                                   "waiting for work", value=e["step_cpu_seconds"])

@@ -119,6 +119,7 @@ class TextStream:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0  # the last delivery of tokens (perf_counter): the inter-token histogram's start
         self.prompt_logprobs: PromptLogprobs | None = None
         self.tokens: list[Token] = []  # kept only when logprobs were asked
         self._taken = 0
@@ -154,6 +155,8 @@ class TextStream:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.runtime.metrics.completion_tokens.inc(self.completion_tokens)
+            if reason != "cancelled":  # a request the client gave up on has no end-to-end time
+                self.runtime.metrics.e2e.observe(time.perf_counter() - self.t0)
             if not self.reader.done:  # a stop string ended it: the parts read so far are complete
                 self.reader.finish()
 
@@ -195,6 +198,7 @@ class TextStream:
         """Read every pending event: the words they make, as one piece ("" when only a tool use
         completed), or None when they show nothing yet."""
         events, self.pending = self.pending, []
+        now = time.perf_counter()  # the latency histograms' clock for tokens delivered now (before any end)
         out: list[str] = []
         ids: list[int] = []  # tokens not read yet: read together (one at a time when a stop string may cut)
         used, tokens = False, self.completion_tokens
@@ -223,9 +227,13 @@ class TextStream:
                 self._end("stop" if ev.reason in ("stop", "cancelled") else ev.reason)
         if ids:
             used |= self._read(ids, out)
-        if self.first_token_at is None and self.completion_tokens > tokens:
-            self.first_token_at = time.perf_counter()
-            self.runtime.metrics.ttft.observe(self.first_token_at - self.t0)
+        if self.completion_tokens > tokens:  # tokens delivered: the first, or the gap since the last delivery
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.runtime.metrics.ttft.observe(now - self.t0)
+            else:
+                self.runtime.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
         spacing = self.runtime.spacing()
         self.next_at = self.loop.time() + spacing if spacing else 0.0
         piece = "".join(out)

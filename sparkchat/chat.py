@@ -1,7 +1,8 @@
 """`sparkchat chat`: talk to a model directory in the terminal, one reply streamed at a time.
 
 A front end over `model/` like the server, wired the same way (model.chat_engine), and lighter: no HTTP.
-The parser is built without torch; the model code loads after the flags are read.
+The parser is built without torch; the model code loads after the flags are read. `-p TEXT` answers one
+message and exits (as `ollama run MODEL TEXT`); lines piped in are a conversation, one message a line.
 
 A reply shows as the server shows it (model.chat.ReplyReader): the assistant's words, and each
 calculator use on a dimmed line of its own; the history keeps the reply's parts, so the next turn's
@@ -15,7 +16,10 @@ import sys
 
 from sparkchat import paths, start
 
-DIM, PLAIN = "\033[2m", "\033[0m"
+DIM, PLAIN = "\033[2m", "\033[0m"  # only on a terminal: piped output stays plain text
+# the reply is promised a quarter of the context (or its max_tokens, if fewer); the history may take the
+# rest, and the reply any room the history leaves (the engine caps it there)
+REPLY_SHARE = 4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="longest reply in tokens (default: the model's generation.json)")
     ap.add_argument("--system", default=None, help="system prompt (default: none)")
+    ap.add_argument("-p", "--prompt", default=None, metavar="TEXT",
+                    help="answer this one message, print the reply and exit (default: a conversation)")
     return ap
 
 
@@ -49,8 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     missing = start.missing_model(args.model)
     if missing:  # before torch loads: said at once
         ap.error(missing)
-    if args.system and undecodable(args.system):  # argv, like stdin, carries bytes that are not UTF-8 so
-        ap.error(f"--system: {undecodable(args.system)}")
+    for flag, text in (("--system", args.system), ("--prompt", args.prompt)):
+        if text and undecodable(text):  # argv, like stdin, carries bytes that are not UTF-8 so
+            ap.error(f"{flag}: {undecodable(text)}")
+    if args.prompt is not None and not args.prompt.strip():
+        ap.error("--prompt: the message is empty")
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback
         sys.stdin.reconfigure(errors="surrogateescape")
 
@@ -70,6 +79,14 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     engine = chat_engine(model, tok, gen, max_batch=1)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.prompt is not None:
+        try:
+            answer(engine, tok, messages + [{"role": "user", "content": args.prompt.strip()}], params, sys.stdout)
+        except Exception as e:  # a prompt the engine refuses, or a reply that failed
+            sys.exit(f"sparkchat chat: {e}")
+        finally:
+            engine.shutdown()
+        return
     print("sparkchat: type a message (Ctrl-D to quit, /clear to start over)", file=sys.stderr)
     try:
         while True:
@@ -103,11 +120,13 @@ def answer(engine, tok, messages: list[dict], params, out) -> list[dict]:
     returns the conversation that goes on: the messages kept (the oldest exchanges are dropped, with a
     note, when they outgrow the context) and the reply as its content parts."""
     from model.chat import fit_history, history_budget
-    ids, messages, dropped = fit_history(tok, messages, history_budget(engine.max_len, params.max_tokens))
+    reserve = min(params.max_tokens, engine.max_len // REPLY_SHARE)
+    ids, messages, dropped = fit_history(tok, messages, history_budget(engine.max_len, reserve))
     if dropped:
         kept = ", the system prompt kept" if messages[0]["role"] == "system" else ""
-        print(f"{DIM}(the conversation outgrew the model's context of {engine.max_len} tokens: "
-              f"{dropped} earlier messages dropped{kept}){PLAIN}", file=sys.stderr)
+        dim, plain = (DIM, PLAIN) if sys.stderr.isatty() else ("", "")
+        print(f"{dim}(the conversation outgrew the model's context of {engine.max_len} tokens: "
+              f"{dropped} earlier messages dropped{kept}){plain}", file=sys.stderr)
     return messages + [{"role": "assistant", "content": reply(engine, tok, ids, params, out)}]
 
 
@@ -136,8 +155,8 @@ def reply(engine, tok, ids: list[int], params, out) -> list[dict]:
     show(reader.finish())
     if not at_line_start or not shown:
         out.write("\n")
-    if ev.reason == "error":
-        print(f"error: {ev.error}", file=sys.stderr)
+    if ev.reason == "error":  # the caller says so (and leaves the exchange out of the history)
+        raise RuntimeError(ev.error)
     return reader.parts
 
 

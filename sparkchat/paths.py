@@ -96,11 +96,22 @@ def timings_file(stage: str) -> Path:
     return TIMINGS / f"{stage}.json"
 
 
+def throughput_file(stage: str) -> Path:
+    """A training stage's tokens/s on each logged step of its last run, a plot (`dvc plots show` on it:
+    docs/pipeline.md, "Outputs")."""
+    return TIMINGS / f"{stage}.tsv"
+
+
 def plot_file(stage: str) -> Path:
     """A training stage's loss curve, rl's reward curve, or one evaluation's scores per task (eval_reports)."""
     if stage.startswith("evaluate/"):
         return REPORTS / stage / "scores.tsv"
     return REPORTS / stage / ("reward.tsv" if stage == "rl" else "loss.tsv")
+
+
+def val_file(stage: str) -> Path:
+    """A training stage's validation bits per byte at each evaluation (a plot: lower is better)."""
+    return REPORTS / stage / "val.tsv"
 
 
 # rl's pass@1 and pass@k on held-out items of each task it trains on, before, during and after training (a plot)

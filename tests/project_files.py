@@ -8,12 +8,19 @@ new files that are not ignored inside folders git already tracks (a module writt
 A folder git does not track at all (a virtual environment under any name, a dataset) stays out, and so
 does everything `.gitignore` names (caches, `artifacts/`, DVC's cache). Outside a git checkout (an
 unpacked source archive) the copy takes the top-level entries in ALLOWED instead.
+
+`dvc exp run -S key=value` rewrites params.yaml in the workspace (and a failed experiment leaves its value
+there), so the tests read params.yaml as committed (`committed_text`), and a copy holds that version:
+an experiment never breaks the tests, and the tests never run on an experiment's values.
 """
 from __future__ import annotations
 
 import shutil
 import subprocess
 from pathlib import Path
+
+# files an experiment rewrites in the workspace (DVC's `-S`): tests read and copy them as committed
+EXPERIMENT_FILES = ("params.yaml",)
 
 # without git: what a project is, by top-level name (each folder copied without its __pycache__)
 ALLOWED = (".dvc/config", ".dvc/plots", ".dvcignore", "Makefile", "dvc.yaml", "params.yaml", "pyproject.toml",
@@ -38,6 +45,16 @@ def project_files(root: Path) -> list[str] | None:
     return sorted(p for p in set(tracked + new) if (root / p).is_file())
 
 
+def committed_text(root: Path, rel: str) -> str:
+    """The file `rel` under `root` as git's HEAD holds it; the file itself outside a checkout (or before
+    its first commit)."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "show", f"HEAD:./{rel}"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return (root / rel).read_text()
+    return r.stdout.decode()
+
+
 def copy_project(root: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Path:
     """Copies the project at `root` to `dest` (project_files, or ALLOWED outside git), without the
     top-level entries in `leave_out`."""
@@ -57,4 +74,7 @@ def copy_project(root: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Pat
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / rel, dest / rel, follow_symlinks=False)
+    for rel in EXPERIMENT_FILES:
+        if rel in files and rel.split("/")[0] not in leave_out:
+            (dest / rel).write_text(committed_text(root, rel))
     return dest

@@ -207,3 +207,61 @@ def test_chat_history_keeps_the_reply_parts(conv_tool_model_dir, conv_tool_chats
         engine.shutdown()
     assert prompts[1] == render(tok, [question, trained, hello], for_completion=True)[0]
     assert history[:3] == [question, trained, hello] and history[3]["role"] == "assistant"
+
+
+def test_chat_p_answers_one_message_and_exits(conv_tool_model_dir):
+    """`sparkchat chat -p TEXT`: the reply alone on stdout, nothing read from stdin, exit 0."""
+    r = sparkchat("chat", "--model", str(conv_tool_model_dir), "-p", "What is 37 + 58?", input="ignored\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "  calculator: 37 + 58 → 95\n37 + 58 = 95\n"
+    assert "type a message" not in r.stderr
+    r = sparkchat("chat", "--model", str(conv_tool_model_dir), "-p", "  ")
+    assert r.returncode == 2 and "--prompt: the message is empty" in r.stderr
+
+
+def long_reply_model_dir(src: Path, dest: Path) -> Path:
+    """The model at `src` saved again with generation.json's reply budget (256) over its context (128),
+    as the pipeline's chat model has it."""
+    from model.model_dir import load_model_dir, save_model_dir
+    model, tok, gen = load_model_dir(src)
+    save_model_dir(dest, model, tok, dict(gen, max_tokens=256))
+    return dest
+
+
+def test_chat_history_fills_the_context_less_the_replys_share(conv_tool_model_dir, tmp_path):
+    """With a reply budget over the context, six turns keep every earlier exchange that fits beside a
+    quarter of the context for the reply: an exchange is dropped only when the prompt would pass that."""
+    import io
+
+    from model.chat import render
+    from model.chat_engine import chat_engine, sampling_params
+    from model.model_dir import load_model_dir
+    from sparkchat.chat import REPLY_SHARE, answer
+    model, tok, gen = load_model_dir(long_reply_model_dir(conv_tool_model_dir, tmp_path / "m"))
+    engine = chat_engine(model, tok, gen, max_batch=1)
+    prompts, submit = [], engine.submit
+    engine.submit = lambda ids, *a: (prompts.append(list(ids)), submit(ids, *a))[1]  # record, then submit
+    budget = engine.max_len - engine.max_len // REPLY_SHARE
+    every, history = [], []
+    try:
+        for _ in range(6):
+            every.append({"role": "user", "content": "Hello!"})
+            history = answer(engine, tok, history + [every[-1]], sampling_params(gen), io.StringIO())
+            every.append(history[-1])
+            sent = len(history) - 1  # the messages the prompt held
+            assert len(prompts[-1]) <= budget
+            if sent < len(every) - 1:  # one exchange more would not have fit
+                assert len(render(tok, every[-sent - 3:-1], for_completion=True)[0]) > budget
+    finally:
+        engine.shutdown()
+    assert len(every) == 12 and max(map(len, prompts)) > engine.max_len // 2  # more than half the context held
+
+
+def test_chat_piped_is_plain_text(conv_tool_model_dir, tmp_path):
+    """Six turns piped in, stdout and stderr piped out: the replies and the note that the conversation
+    outgrew the context carry no terminal escape codes."""
+    path = long_reply_model_dir(conv_tool_model_dir, tmp_path / "m")
+    r = sparkchat("chat", "--model", str(path), input="What is 37 + 58?\n" + "Hello!\n" * 5)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("calculator: 37 + 58 → 95") == 1 and len(r.stdout.split("> ")) == 8
+    assert "\033" not in r.stdout + r.stderr

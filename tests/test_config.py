@@ -9,17 +9,21 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError, load_params, params_from_dict
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
 
 
 def base() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    """params.yaml as committed: an experiment's values in the workspace (`dvc exp run -S`) are not the defaults."""
+    return yaml.safe_load(committed_text(ROOT, "params.yaml"))
 
 
-def test_default_params_load():
-    p = load_params(ROOT / "params.yaml")
+def test_default_params_load(tmp_path):
+    (tmp_path / "params.yaml").write_text(committed_text(ROOT, "params.yaml"))
+    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
+    p = load_params(tmp_path / "params.yaml")
     assert p.model.n_embd == p.model.depth * p.model.aspect_ratio
     assert p.model.n_embd % p.model.n_head == 0
 
@@ -151,7 +155,7 @@ def test_params_yaml_choice_comments_match_the_code():
 
     allowed = literal_keys(Params)
     path, seen = [], set()
-    for line in (ROOT / "params.yaml").read_text().splitlines():
+    for line in committed_text(ROOT, "params.yaml").splitlines():
         m = re.match(r"( *)(\w+):([^#]*)(?:#\s*(.*))?$", line)
         if not m:
             continue
@@ -235,3 +239,26 @@ def test_every_probe_flag_has_help_with_its_default():
         assert a.help and "(default: " in a.help, a.option_strings
     steps = next(a for a in actions if a.dest == "steps")
     assert f"(default: {ProbeOptions().steps})" in steps.help
+
+
+def test_params_yaml_is_in_the_form_dvc_writes():
+    """`dvc exp run -S key=value` rewrites params.yaml through DVC's YAML round trip: in that form already,
+    an experiment's diff is the line of the value it sets, not a restyling of the file."""
+    import tempfile
+
+    from dvc.utils.hydra import apply_overrides
+
+    from pipeline.config import Params
+
+    lr = Params().sft.matrix_lr
+    text = committed_text(ROOT, "params.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "params.yaml"
+        path.write_text(text)
+        apply_overrides(str(path), [f"sft.matrix_lr={lr}"])  # the value it holds: DVC's rewrite alone
+        assert path.read_text() == text, "params.yaml is not in the form DVC's -S writes: rewrite it with " \
+            "dvc.utils.hydra.apply_overrides (a value it holds) until it stops changing"
+        apply_overrides(str(path), [f"sft.matrix_lr={lr * 2}"])
+        old, new = text.splitlines(), path.read_text().splitlines()
+    assert len(old) == len(new) and [(a, b) for a, b in zip(old, new) if a != b] == \
+        [(f"  matrix_lr: {lr}", f"  matrix_lr: {lr * 2}")]

@@ -188,7 +188,7 @@ def test_outputs_are_where_paths_says():
     for name in paths.TRAIN_STAGES:
         outs = _declared(st[name], "outs")
         assert {str(paths.MODEL_DIRS[name]), str(paths.checkpoint_dir(name))} <= outs, name
-        assert _declared(st[name], "plots") == {str(paths.plot_file(name))}
+        assert _declared(st[name], "plots") == {str(paths.plot_file(name)), str(paths.val_file(name))}
     for name in paths.TRAIN_STAGES:  # headline metrics: what dvc metrics show lists
         assert _declared(st[name], "metrics") == {str(paths.metrics_file(name))}, name
     # evaluate: one stage per model, scoring that model, with its own reports

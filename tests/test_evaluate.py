@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from model.chat_engine import chat_engine
 from model.loss_eval import token_bytes
 from model.scoring import score_continuations
 from pipeline import benchmarks as bm
 from pipeline import evaluate as ev
-from pipeline.config import BenchmarksParams, load_params
+from pipeline.config import BenchmarksParams, params_from_dict
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "evals"
@@ -39,7 +41,7 @@ def rows(name: str) -> list[dict]:
 
 def test_every_task_has_a_params_block_and_params_yaml_reads_the_fixtures():
     assert set(bm.TASKS) == {f.name for f in dataclasses.fields(BenchmarksParams)} == set(HUB_COLUMNS)
-    p = load_params(ROOT / "params.yaml")
+    p = params_from_dict(yaml.safe_load(committed_text(ROOT, "params.yaml")), ROOT / "profiles")
     for name in bm.TASKS:
         assert getattr(p.evaluate.benchmarks, name).source == f"tests/fixtures/evals/{name}.jsonl"
 

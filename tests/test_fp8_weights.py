@@ -19,6 +19,7 @@ from model.model_dir import load_model_dir
 from model.precision import BackendUnavailable, base, fp8_weights
 from model.precision.formats import E4M3, E4M3_MAX
 from model.requests import SamplingParams
+from serve.settings import Settings
 from model.tie_rule import FP8_WEIGHTS_MARGIN, agreement, reference_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +45,9 @@ def test_refused_below_sm89_with_the_gpu_named(monkeypatch, cap, refused):
 def test_load_refuses_before_reading_anything(tmp_path):
     """A directory that is not there: the refusal comes first, so nothing was read to find that out."""
     with pytest.raises(BackendUnavailable, match="not on cpu"):
-        load_model_dir(tmp_path / "not-there", "cpu", weights="fp8")
-    with pytest.raises(ValueError, match="weights must be one of bf16, fp8; got 'int4'"):
-        load_model_dir(tmp_path / "not-there", "cpu", weights="int4")
+        fp8_weights.load_model_dir(tmp_path / "not-there", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="--weights must be one of bf16, fp8, got 'int4'"):
+        Settings(weights="int4")
 
 
 def test_serve_refuses_fp8_on_a_cpu_before_the_model_loads(serve_model_dir):

@@ -68,7 +68,7 @@ def test_fp8_weights_give_the_bf16_greedy_ids(conv_tool_model_dir, conv_tool_cha
     from model.chat import render
     for path in trained_dirs(conv_tool_model_dir):
         ref, tok, _ = load_model_dir(path, "cuda", torch.bfloat16)
-        fp8, _, _ = load_model_dir(path, "cuda", torch.bfloat16, weights="fp8")
+        fp8, _, _ = fp8_weights.load_model_dir(path, "cuda", torch.bfloat16)
         assert any(isinstance(m, fp8_weights.Fp8WeightLinear) for m in fp8.modules())
         chats = [render(tok, [chat[0]], for_completion=True)[0] for chat in conv_tool_chats]
         prompts = chats + [tok.encode(t) for t in ("The quick brown fox", "Hello! How are", "Numbers: 12",

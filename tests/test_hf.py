@@ -120,6 +120,29 @@ def test_greedy_generation_identical(hf_model, serve_model, serve_tokenizer):
         engine.shutdown()
 
 
+def test_generate_stops_after_a_calculator_call(exported, hf_model, serve_tokenizer):
+    """transformers' generate runs no tool, so the export's generation_config stops it at <|python_end|>
+    (the caller runs the call and goes on) instead of letting the model write the result itself. The reply
+    is steered into a call (`prefix_allowed_tokens_fn`), then left free: nothing comes after the call's end."""
+    tok, s = serve_tokenizer, serve_tokenizer.special
+    prompt = render(tok, [{"role": "user", "content": "What is 37 + 58?"}], for_completion=True)[0]
+    call = [s["<|python_start|>"], *tok.encode("37 + 58"), s["<|python_end|>"]]
+    every = list(range(tok.vocab_size))
+
+    def steer(_, ids):
+        made = len(ids) - len(prompt)
+        return [call[made]] if made < len(call) else every
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                prefix_allowed_tokens_fn=steer)
+    assert out[0, len(prompt):].tolist() == call
+    stops = transformers.GenerationConfig.from_pretrained(exported).eos_token_id
+    assert sorted(stops) == sorted(s[t] for t in ("<|assistant_end|>", "<|bos|>", "<|python_end|>"))
+    assert "stops at `<|assistant_end|>` or `<|bos|>` or `<|python_end|>`" in (exported / "README.md").read_text()
+
+
 def test_chat_template_renders_what_render_renders(hf_tok, serve_tokenizer):
     for conv in CONVERSATIONS:
         prompt = conv[-1]["role"] == "user"

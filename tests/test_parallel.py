@@ -27,6 +27,7 @@ from model.precision import BackendUnavailable, get_backend
 from pipeline.config import RuntimeParams
 from pipeline.data import IGNORE, TokenStream
 from pipeline.runtime import LaunchError, external_launcher, join_env, torchrun_command
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,7 +180,7 @@ def test_a_backend_that_cannot_shard_says_so_first(tmp_path):
         get_backend("te-fp8").check_parallel("fsdp")
     get_backend("te-fp8").check_parallel("ddp")
     # the stage refuses before reading anything or starting a process (no token files exist here)
-    d = yaml.safe_load((ROOT / "params.yaml").read_text())
+    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
     d["precision"]["backend"] = "te-fp8"
     d["runtime"].update(parallel="fsdp", nproc=2)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
@@ -193,7 +194,7 @@ def test_a_backend_that_cannot_shard_says_so_first(tmp_path):
 
 def test_link_check_runs_over_the_ranks(tmp_path):
     """`sparkchat link-check` starts its ranks from the runtime keys, checks an all-reduce and times sizes."""
-    d = yaml.safe_load((ROOT / "params.yaml").read_text())
+    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
     d["runtime"].update(nproc=2, device="cpu")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
     r = subprocess.run([sys.executable, "-m", "sparkchat.cli", "link-check", "--sizes-mb", "0.25", "1", "--iters", "2"],
@@ -212,7 +213,7 @@ def test_link_check_runs_over_the_ranks(tmp_path):
     ({"nnodes": 2, "rdzv_endpoint": "n0:29500"}, "2", "join: --node-rank must be in 1..1 (runtime.nnodes=2), got 2"),
 ])
 def test_join_refuses_what_cannot_be_joined(tmp_path, runtime, flag, message):
-    d = yaml.safe_load((ROOT / "params.yaml").read_text())
+    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
     d["runtime"].update(runtime)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
     r = subprocess.run([sys.executable, "-m", "sparkchat.cli", "join", "--node-rank", flag], cwd=tmp_path,

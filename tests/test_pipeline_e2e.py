@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from project_files import copy_project
+from project_files import committed_text, copy_project
 from sparkchat import paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def deep_update(d: dict, u: dict) -> dict:
 def make_project(tmp: Path, overrides: dict) -> Path:
     proj = tmp / "proj"
     copy_project(ROOT, proj, leave_out=("bench",))  # the project's files only: never a .venv or caches
-    params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), overrides)
+    params = deep_update(yaml.safe_load(committed_text(ROOT, "params.yaml")), overrides)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["dvc", "config", "core.no_scm", "true"], cwd=proj, check=True, capture_output=True)
     subprocess.run(["dvc", "config", "core.analytics", "false"], cwd=proj, check=True, capture_output=True)
@@ -173,8 +173,8 @@ def test_kill9_during_pretrain_resumes(tmp_path):
     assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-3)
     assert got["val_bpb_text"] == pytest.approx(want["val_bpb_text"], abs=1e-3)
     assert not ckpt.exists(), "a finished stage keeps its checkpoint (a code change would resume from it)"
-    plot = paths.plot_file("pretrain")
-    assert (proj / plot).read_text() == (ref / plot).read_text(), "the resumed loss plot differs from the unbroken run's"
+    for plot in (paths.plot_file("pretrain"), paths.val_file("pretrain")):
+        assert (proj / plot).read_text() == (ref / plot).read_text(), f"the resumed {plot} differs from the unbroken run's"
 
 
 def test_garbage_checkpoint_is_moved_aside_and_the_stage_finishes(tmp_path):

@@ -66,10 +66,13 @@ def plots_page(tmp_path_factory) -> Path:
         loss = project / paths.plot_file(stage)
         loss.parent.mkdir(parents=True)
         loss.write_text("step\tloss\n" + "".join(f"{s}\t{5.0 / (1 + s)}\n" for s in range(0, 50, 10)))
+        paths_val = project / paths.val_file(stage)  # evaluations are fewer than logged steps
+        paths_val.write_text("step\tval_bpb\n" + "".join(f"{s}\t{3.0 - s / 40}\n" for s in (20, 40)))
     rl = project / "reports" / "rl"  # the rl stage's plots: reward per step, held-out pass@1/pass@k
     rl.mkdir(parents=True)
     (rl / "reward.tsv").write_text("step\treward\treply_tokens\tlr\n1\t0.47\t16.4\t1\n2\t0.51\t16.1\t0.97\n")
-    (rl / "heldout.tsv").write_text("step\tlargest_pass1\tlargest_passk\n0\t0.45\t0.9\n30\t0.4\t0.8\n")
+    (rl / "heldout.tsv").write_text("step\tpass1\tpassk\tlargest_pass1\tlargest_passk\n"
+                                    "0\t0.38\t0.98\t0.38\t0.98\n200\t0.725\t0.82\t0.725\t0.82\n")
     for m, sc in SCORES.items():  # one file per evaluate stage
         scores = project / paths.plot_file(paths.eval_reports(m))
         scores.parent.mkdir(parents=True)
@@ -95,7 +98,7 @@ def test_dvc_plots_show_writes_a_page_without_external_scripts(plots_page):
 
 def test_eval_chart_groups_models_per_task(plots_page):
     by_id = specs(plots_page)
-    assert len(by_id) == len(paths.TRAIN_STAGES) + 2 + 1, sorted(by_id)  # losses, rl's two, the chart
+    assert len(by_id) == 2 * len(paths.TRAIN_STAGES) + 2 + 1, sorted(by_id)  # losses, val bpb, rl's two, the chart
     scores = next(s for s in by_id.values() if any("task" in d for d in s["data"]["values"]))
     enc = scores["encoding"]
     assert (enc["y"]["field"], enc["x"]["field"]) == ("task", "accuracy")
@@ -108,6 +111,26 @@ def test_eval_chart_groups_models_per_task(plots_page):
     for spec in losses:  # DVC's linear template, step against loss
         text = json.dumps(spec)
         assert '"field": "step"' in text and '"field": "loss"' in text
+
+
+
+def y_field(spec: dict) -> str:
+    """The field a DVC linear plot draws upward (its y encoding, in the spec or its first layer)."""
+    layers = [spec, *spec.get("layer", [])]
+    return next(layer["encoding"]["y"]["field"] for layer in layers if "y" in layer.get("encoding", {}))
+
+
+def test_plots_show_what_each_stage_improved(plots_page):
+    """rl's held-out plot draws pass@1 over the trained tasks (what RL raises), not the file's last column
+    (pass@k, which RL may lower); each training stage has its validation bits per byte, evaluations only."""
+    by_id = specs(plots_page)
+    heldout = by_id["reports_rl_heldout_tsv"]
+    assert y_field(heldout) == "pass1" and "pass@1" in json.dumps(heldout["title"])
+    assert [float(d["pass1"]) for d in heldout["data"]["values"]] == [0.38, 0.725]
+    for stage in paths.TRAIN_STAGES:
+        val = by_id[f"reports_{stage}_val_tsv"]
+        assert y_field(val) == "val_bpb" and "lower is better" in json.dumps(val["title"])
+        assert [d["step"] for d in val["data"]["values"]] == ["20", "40"]  # no blank rows drawn as zero
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

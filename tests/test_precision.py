@@ -20,6 +20,7 @@ from model.precision.options import (BACKEND_OPTIONS, AutoOptions, Fp8Options, N
                                      TEFp8Options, parse_entry)
 from model.precision import base
 from model.precision import formats as fm
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -473,7 +474,7 @@ def test_probe_params_file(tmp_path):
 
     from pipeline.probe import main as probe_main
     shutil.copytree(ROOT / "profiles", tmp_path / "profiles")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(committed_text(ROOT, "params.yaml"))
     params["probe"].update(steps=2, depth=1, seq_len=16, batch=2, vocab=64)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     probe_main(["--params", str(tmp_path / "params.yaml"), "--backends", "bf16", "--device", "cpu",
@@ -488,6 +489,22 @@ def test_probe_params_file(tmp_path):
     with pytest.raises(SystemExit, match=r"probe entry 'fp8:scaling=lazy': precision\.fp8\.scaling must be one of"):
         probe_main(["--backends", "bf16", "fp8:scaling=lazy", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_probe_writes_under_artifacts_where_git_does_not_look(tmp_path, monkeypatch):
+    """`sparkchat probe` without --out writes under artifacts/probe (where `auto` reads it), a path git
+    ignores: a probe in a checkout leaves `git status` clean."""
+    import subprocess
+
+    from pipeline.probe import main as probe_main
+    from sparkchat import paths
+    monkeypatch.chdir(tmp_path)
+    probe_main(["--backends", "bf16", "--device", "cpu", "--steps", "2", "--depth", "1", "--seq-len", "16",
+                "--batch", "2", "--vocab", "64"])
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == [str(paths.PROBE / name) for name in ("probe.json", "probe.md", "probe.partial.json")]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", *written], capture_output=True, text=True)
+    assert ignored.stdout.split() == written
 
 
 def test_probe_entry_layer_filter(tmp_path):

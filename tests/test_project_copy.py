@@ -51,3 +51,22 @@ def test_outside_git_a_copy_takes_the_allow_list(tmp_path):
         write(src / name)
     assert subprocess.run(["git", "-C", str(src), "rev-parse"], capture_output=True).returncode != 0
     assert files_under(copy_project(src, tmp_path / "copy")) == [".dvc/config", "model/gpt.py", "params.yaml"]
+
+
+def test_a_copy_holds_params_yaml_as_committed_not_an_experiments_values(tmp_path):
+    """`dvc exp run -S` rewrites params.yaml in the workspace (DVC's own rewrite, run here) and a failed
+    experiment leaves its value there: the tests' copy and their reading of params.yaml take the commit's."""
+    from dvc.utils.hydra import apply_overrides
+
+    from project_files import committed_text
+
+    src = tmp_path / "clone"
+    write(src / "params.yaml", "model:\n  depth: 4\n")
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "params"], check=True)
+    apply_overrides(str(src / "params.yaml"), ["model.depth=abc"])
+    assert "depth: abc" in (src / "params.yaml").read_text()
+    assert committed_text(src, "params.yaml") == "model:\n  depth: 4\n"
+    assert (copy_project(src, tmp_path / "copy") / "params.yaml").read_text() == "model:\n  depth: 4\n"

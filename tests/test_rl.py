@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from pipeline.config import ConfigError, RLParams, params_from_dict
+from project_files import committed_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +171,7 @@ def test_replay_is_sft_gold_of_the_tasks_not_trained_never_held_out(tmp_path, mo
 
 
 def base() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    return yaml.safe_load(committed_text(ROOT, "params.yaml"))  # not an experiment's values
 
 
 @pytest.mark.parametrize("edit, key", [

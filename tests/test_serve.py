@@ -402,7 +402,7 @@ def test_bad_model_dir_reports_on_health(serve_start, tmp_path):
 
 def test_16_concurrent_streams(server):
     from bench.serve_gpu import scrape
-    steps0 = scrape(server.url)["sparkchat_decode_steps"]  # the engine process's count
+    before = scrape(server.url)
 
     async def one(ac, i):
         chunks = [c async for c in await ac.chat.completions.create(
@@ -420,8 +420,24 @@ def test_16_concurrent_streams(server):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
         assert chunks[-1].usage.completion_tokens == 24 and len({c.id for c in chunks}) == 1
-    # batching: far fewer decode steps than tokens
-    assert scrape(server.url)["sparkchat_decode_steps"] - steps0 < 16 * 24 / 3
+    after = scrape(server.url)
+    grew = lambda name: after[name] - before.get(name, 0)  # noqa: E731
+    # batching: far fewer decode steps (the engine process's count) than tokens
+    assert grew("sparkchat_decode_steps_total") < 16 * 24 / 3
+    # the latency histograms under that load: a first token and an end for each request, and a gap for each
+    # delivery of a stream's tokens after its first (one a step; fewer, larger ones when the front end falls
+    # behind the engine): at least one for each chunk of words a client got after its first
+    assert grew("sparkchat_time_to_first_token_seconds_count") == 16
+    assert grew("sparkchat_e2e_request_latency_seconds_count") == 16
+    later_chunks = sum(sum(1 for c in chunks if c.choices and c.choices[0].delta.content) - 1 for chunks in results)
+    assert later_chunks <= grew("sparkchat_inter_token_latency_seconds_count") <= 16 * 23
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        assert grew(f"sparkchat_{name}_seconds_sum") > 0
+        assert grew(f'sparkchat_{name}_seconds_bucket{{le="+Inf"}}') == grew(f"sparkchat_{name}_seconds_count")
+    # a request's gaps add up to the time from its first delivery to its last, inside its end-to-end time
+    # less its first token's: so do the sums
+    assert grew("sparkchat_inter_token_latency_seconds_sum") <= \
+        grew("sparkchat_e2e_request_latency_seconds_sum") - grew("sparkchat_time_to_first_token_seconds_sum")
 
 
 def test_metrics(server, client):
@@ -435,12 +451,24 @@ def test_metrics(server, client):
                  "sparkchat_queue_depth", "sparkchat_active_sequences"):
         assert name in text, name
     assert 'sparkchat_requests_total{status="400"}' in text
+    # a running total is a counter, named ..._total (Prometheus' rate() and increase() need that); the
+    # latencies are histograms
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE sparkchat_"))
+    counters = {n for n, kind in types.items() if kind == "counter"}
+    assert counters and all(n.endswith("_total") for n in counters), counters
+    assert {"sparkchat_decode_steps_total", "sparkchat_engine_cpu_seconds_total"} <= counters
+    # (prometheus_client adds a `..._created` gauge, the creation time, beside each counter and histogram)
+    assert {n for n, kind in types.items() if kind == "gauge" and not n.endswith("_created")} == {
+        "sparkchat_model_loaded", "sparkchat_queue_depth", "sparkchat_active_sequences"}
+    assert {n for n, kind in types.items() if kind == "histogram"} == {
+        "sparkchat_time_to_first_token_seconds", "sparkchat_inter_token_latency_seconds",
+        "sparkchat_e2e_request_latency_seconds"}
     value = scrape(server.url)
-    assert value["sparkchat_decode_steps"] >= 2 and value["sparkchat_engine_cpu_seconds"] > 0
+    assert value["sparkchat_decode_steps_total"] >= 2 and value["sparkchat_engine_cpu_seconds_total"] > 0
     # the steps' CPU is part of the engine thread's (the rest: waiting for work)
-    assert 0 < value["sparkchat_engine_step_cpu_seconds_total"] <= value["sparkchat_engine_cpu_seconds"]
+    assert 0 < value["sparkchat_engine_step_cpu_seconds_total"] <= value["sparkchat_engine_cpu_seconds_total"]
     # the thread's CPU is part of its process's
-    assert value["sparkchat_engine_cpu_seconds"] <= value["sparkchat_engine_process_cpu_seconds_total"]
+    assert value["sparkchat_engine_cpu_seconds_total"] <= value["sparkchat_engine_process_cpu_seconds_total"]
     # where the steps' wall time went: the read-back wait is part of the decode phase
     phase = {p: value[f'sparkchat_engine_phase_seconds_total{{phase="{p}"}}'] for p in PHASES}
     assert 0 < phase["wait"] <= phase["decode"] and phase["admit"] > 0 and phase["hooks"] > 0

@@ -75,6 +75,16 @@ def test_reports_keep_timings_out_of_what_git_tracks(project, monkeypatch):
     assert not set(timings) & (set(headline) | set(details))
     assert {**headline, **details, **timings} == values
     assert details["steps"] == 8 and details["tokens"] == 8 * 1024
+    # the plots: the loss every logged step, val bpb at each evaluation only (no blank cells a chart draws as
+    # zero), and tokens/s beside the timings, out of what git keeps
+    rows = lambda f: [r.split("\t") for r in f.read_text().splitlines()]  # noqa: E731
+    loss, val, speed = rows(paths.plot_file("pretrain")), rows(paths.val_file("pretrain")), \
+        rows(paths.throughput_file("pretrain"))
+    assert loss[0] == ["step", "loss", "lr"] and [r[0] for r in loss[1:]] == [str(s) for s in range(1, 9)]
+    assert val[0] == ["step", "val_bpb"] and len(val) == 2 and val[1][0] == "8"
+    assert round(float(val[1][1]), 4) == headline["val_bpb_text"]
+    assert speed[0] == ["step", "tokens_per_s"] and [r[0] for r in speed[1:]] == [str(s) for s in range(1, 9)]
+    assert all(float(r[1]) > 0 for r in speed[1:]) and paths.throughput_file("pretrain").parent == paths.TIMINGS
 
 
 def test_waiting_for_a_batch_counts_as_idle(project, monkeypatch):

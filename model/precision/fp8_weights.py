@@ -270,3 +270,14 @@ def weight_bytes(model: nn.Module) -> int:
 
 __all__ = ["ACTS", "SERVE_WEIGHTS", "WEIGHT_ONLY_MAX_ROWS", "Fp8WeightLinear", "Fp8WeightMLP", "check", "convert", "dequantise_rows",
            "quantise_rows", "unavailable_reason", "w8a8", "weight_bytes", "weight_only_triton"]
+
+
+def load_model_dir(path, device, dtype: torch.dtype):
+    """model.model_dir.load_model_dir with the Linear weights in FP8, a scale per row, quantised from the
+    checkpoint's fp32 and the rest in `dtype`; BackendUnavailable, before anything loads, where FP8 weights
+    cannot serve."""
+    from model.model_dir import load_model_dir as load_full
+    check(device)
+    model, tok, gen = load_full(path, device, torch.float32)
+    convert(model, dtype)
+    return model, tok, gen
