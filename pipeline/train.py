@@ -21,7 +21,7 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from model.peak_flops import peak_flops
 from model.precision import PrecisionBackend, get_backend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
+from model.memory_fit import MemoryFitError, fit_device_batch
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
@@ -300,6 +301,10 @@ def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
     seq_len = model.config.seq_len
     model = backend.convert(model)
     log(backend.describe(device))
+    # the device batch this GPU's memory holds (the same total batch): before any batch is made
+    fits = fit_device_batch(t.device_batch, model, device, world=world, sharded=p.runtime.parallel == "fsdp",
+                            mode=p.runtime.memory_fit, setting=f"{stage}.device_batch", log=log)
+    t = replace(t, device_batch=fits) if fits != t.device_batch else t
     use_compile = device.type == "cuda" and backend.supports_compile and p.runtime.compile != "off" \
         or p.runtime.compile == "on"
     train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world, device)
@@ -528,7 +533,7 @@ def main(stage: str) -> None:
         p = load_params(stage=stage)
         stage_backend(stage, p)
         launch(p.runtime, f"pipeline.{stage}", lambda: train(stage, p))
-    except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError) as e:
+    except (ConfigError, BackendUnavailable, ModelDirError, DataError, LaunchError, MemoryFitError) as e:
         raise SystemExit(f"{stage}: {e}") from None
     except NoRoomError as e:  # what was written before stays: the next run resumes from the last checkpoint
         raise SystemExit(f"{stage}: {e}. Free some space and run it again: it resumes from its last complete "

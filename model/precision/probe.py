@@ -31,6 +31,7 @@ import torch
 
 from model.device import resolve_device
 from model.gpt import GPT, GPTConfig
+from model.memory_fit import fit_device_batch
 from model.optim import build_optimizer
 from model.peak_flops import peak_flops
 
@@ -220,6 +221,9 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
     entries = expand_entries(settings.backends, settings.te_recipes)
     layer_filter = layer_filter or LayerFilter()
     peak, peak_about = peak_flops(dev)
+    if dev.type == "cuda":  # a batch this GPU cannot hold stops here, naming the setting, not at an OOM mid-way
+        with torch.device("meta"):
+            fit_device_batch(batch, GPT(cfg), dev, mode="check", setting="probe.batch (--batch)", log=log)
     log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
         f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}; {peak_about}")
     # fresh rows for every step (the loss is then a held-out loss, and a long run does not memorise a
