@@ -15,8 +15,8 @@ nanochat is not part of the project: `export` copies the pinned commit's files f
 bench/peers/nanochat/ (git-ignored), which a GPU host receives as files. nanochat's `base_train.py` runs
 unchanged through runpy with three things replaced from outside: its tokenizer (ours, which the token
 files were made with; its own needs the `rustbpe` package and a trained tokenizer file), its data loaders
-(ours, above), and, where not installed, empty stand-ins for the two packages it imports but does not use
-here (`wandb` under `--run dummy`, `rustbpe`). Its attention runs full-context (`--window-pattern L`):
+(ours, above), and, where not installed, empty stand-ins for the packages it imports but does not use
+here (`wandb` under `--run dummy`; `rustbpe` and `tiktoken`, its tokenizer's). Its attention runs full-context (`--window-pattern L`):
 without Flash Attention 3 (a hub download), its default sliding windows fall back to a slow path, and
 ours is full-context. Its `print0` lines are read for each step's `dt` and each `Validation bpb`.
 
@@ -192,7 +192,7 @@ def run_nanochat(a, work: Path) -> dict:
     peer = peer_dir(Path(a.peer))
     os.chdir(work)
     os.environ["NANOCHAT_BASE_DIR"] = str(work / "nanochat_base")  # its checkpoint at the end goes here
-    for name in ("wandb", "rustbpe"):  # imported at its top, unused here (module docstring)
+    for name in ("wandb", "rustbpe", "tiktoken"):  # imported at its top, unused here (module docstring)
         try:
             importlib.import_module(name)
         except ImportError:
@@ -336,7 +336,8 @@ def run(a) -> dict:
         peer_dir(Path(a.peer))
     index = prepare(a, work)
     os.chdir(ROOT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
     if not a.device.startswith("cuda"):
         env["TORCHDYNAMO_DISABLE"] = "1"  # nanochat compiles on any device; a CPU smoke run need not
     rounds, res = [], {}

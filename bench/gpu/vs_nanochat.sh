@@ -15,6 +15,14 @@ cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/sparkchat-bench/vs_nanochat}
 mkdir -p "$OUT"
+# a host without network: the wheels of bench/gpu/wheels.txt in .whl/ (datasets and pyarrow for the data;
+# as bench/gpu/pipeline.sh installs them)
+if [ -d .whl ]; then
+  SITE=${SCRATCH:-/tmp}/sparkchat-site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    || { echo "wheel install from .whl/ failed"; exit 1; }
+  export PYTHONPATH=$PYTHONPATH:$SITE
+fi
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for depth in ${DEPTHS:-12 20}; do
   batch=$(python3 -m model.memory_fit --depth "$depth" --seq-len 2048 --vocab 65536 --batch "${BATCH:-32}") || exit 1
