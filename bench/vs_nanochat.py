@@ -331,7 +331,8 @@ def run(a) -> dict:
             shape = Shape.of(GPT(model_config(a.depth, a.seq_len, a.vocab, a.head_dim)))
         free, total = torch.cuda.mem_get_info()
         a.batch = fit_batch(a.batch, shape, free) or a.batch
-    a.total_batch = max(a.total_batch, a.batch * a.seq_len)
+    micro = a.batch * a.seq_len  # base_train asserts a whole number of micro-steps a step
+    a.total_batch = max(1, a.total_batch // micro) * micro
     if "nanochat" in a.impls:
         peer_dir(Path(a.peer))
     index = prepare(a, work)
