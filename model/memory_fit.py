@@ -5,7 +5,8 @@ A profile names a device batch for a model shape, but cards differ: the d20 prof
 time by backend": 83.3 GiB at batch 32 before any optimizer state). nanochat's answer is to halve
 `--device_batch_size` by hand until it fits, gradient accumulation keeping the total batch; here the
 training loop does that itself at start (`runtime.memory_fit: fit`), or refuses before the first step
-naming the setting to change (`check`).
+naming the setting to change (`check`); the probe refuses a `--batch` that would not fit, and the GPU
+recipes ask bench/fit_batch.py for the batch that does.
 
 The estimate is the peak of one step from the shape:
     params x STATE_BYTES          fp32 weights, their gradients, the optimizer's state (Muon's momentum,
@@ -24,11 +25,8 @@ HEADROOM of the card free.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from typing import Literal
 
-Mode = Literal["fit", "check", "off"]  # params `runtime.memory_fit`
 GIB = 2 ** 30
 STATE_BYTES = 16  # fp32 weight 4 + fp32 gradient 4 + optimizer state up to 8 (AdamW's two fp32 moments)
 DDP_BUCKET_BYTES = 4  # DDP's fp32 gradient buckets beside the gradients
@@ -85,8 +83,9 @@ def fit_batch(requested: int, shape: Shape, available_bytes: float) -> int | Non
 
 
 def decide(requested: int, shape: Shape, available_bytes: float, mode: str, setting: str, card: str) -> tuple[int, str]:
-    """(the device batch to run, a line for the log) for `requested` sequences under `mode`:
-    fit: the largest halving that fits | check: `requested` or MemoryFitError | off: `requested`.
+    """(the device batch to run, a line for the log) for `requested` sequences under `mode` (params
+    `runtime.memory_fit`): fit: the largest halving that fits | check: `requested` or MemoryFitError |
+    off: `requested`.
     `setting` is the params key of the device batch (the error names it); `card` describes the GPU."""
     if mode == "off":
         return requested, f"{setting} {requested}: memory fit not checked (runtime.memory_fit: off)"
@@ -129,33 +128,3 @@ def fit_device_batch(requested: int, model, device, *, world: int = 1, sharded: 
     batch, line = decide(requested, Shape.of(model, world, sharded), free, mode, setting, card)
     log(line)
     return batch
-
-
-def main(argv=None) -> None:
-    """Print the largest device batch (a halving of --batch) that fits this GPU for a probe-shaped model
-    (the GPU recipes in bench/gpu/ ask this before they start)."""
-    ap = argparse.ArgumentParser(prog="python -m model.memory_fit", description=main.__doc__)
-    ap.add_argument("--depth", type=int, required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--vocab", type=int, required=True)
-    ap.add_argument("--batch", type=int, required=True, help="the batch wanted; a halving of it is printed")
-    ap.add_argument("--device", default="cuda")
-    a = ap.parse_args(argv)
-    import torch
-
-    from model.precision.probe import model_config
-    from model.gpt import GPT
-    with torch.device("meta"):  # the shape only: no memory
-        shape = Shape.of(GPT(model_config(a.depth, a.seq_len, a.vocab)))
-    if not torch.cuda.is_available():
-        print(a.batch)
-        return
-    free, card = available(torch.device(a.device))
-    fits = fit_batch(a.batch, shape, free)
-    if fits is None:
-        raise SystemExit(f"depth {a.depth}, seq {a.seq_len}: not even 1 sequence fits {card} (model/memory_fit.py)")
-    print(fits)
-
-
-if __name__ == "__main__":
-    main()

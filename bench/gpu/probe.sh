@@ -17,7 +17,7 @@ cudnn=$(python3 -c 'import nvidia.cudnn as c, os; print(os.path.join(list(c.__pa
   && export LD_LIBRARY_PATH=$cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 # 32 sequences, halved until a step fits this GPU (model/memory_fit.py: d20's 32 does not fit an 80 GB H100)
-BATCH=${BATCH:-$(python3 -m model.memory_fit --depth "${DEPTH:-20}" --seq-len 2048 --vocab 65536 --batch 32)} || exit 1
+BATCH=${BATCH:-$(python3 -m bench.fit_batch --depth "${DEPTH:-20}" --seq-len 2048 --vocab 65536 --batch 32)} || exit 1
 echo "batch $BATCH"
 python3 -m bench.probe_spread --runs "${RUNS:-3}" --out "$OUT" -- --steps "${STEPS:-200}" --depth "${DEPTH:-20}" --seq-len 2048 \
   --batch "$BATCH" --vocab 65536 --backends ${@:-bf16 fp8 te-fp8:delayed} 2>&1 | grep -v -i warn

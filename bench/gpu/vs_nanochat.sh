@@ -25,7 +25,7 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for depth in ${DEPTHS:-12 20}; do
-  batch=$(python3 -m model.memory_fit --depth "$depth" --seq-len 2048 --vocab 65536 --batch "${BATCH:-32}") || exit 1
+  batch=$(python3 -m bench.fit_batch --depth "$depth" --seq-len 2048 --vocab 65536 --batch "${BATCH:-32}") || exit 1
   python3 -m bench.vs_nanochat run --depth "$depth" --steps "${STEPS:-1000}" --runs "${RUNS:-3}" --batch "$batch" \
     --total-batch "${TOTAL_BATCH:-$((batch * 2048))}" --eval-every "${EVAL_EVERY:-100}" --precisions ${PRECISIONS:-bf16 fp8} \
     --text "${TEXT:-corpus}" --work "$OUT/work-d$depth" --out "$OUT/vs_nanochat_d$depth.json" 2>&1 | grep -v -i warn \
