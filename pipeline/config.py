@@ -435,6 +435,10 @@ class RuntimeParams(Settings):
     timeout_s: int = 60
     """Seconds a collective waits for a peer before the process group fails: the longest a rank outlives
     one that vanished without closing its connections (a rank killed outright is noticed at once)."""
+    memory_fit: Literal["fit", "check", "off"] = "fit"
+    """On a GPU, before the first step (model/memory_fit.py): fit (a stage's device_batch is halved until
+    the step's estimated peak fits the memory free at start; gradient accumulation keeps the total batch)
+    | check (a device_batch that would not fit stops the stage, naming the value that fits) | off."""
 
     def check(self, key: str) -> None:
         super().check(key)

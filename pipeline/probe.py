@@ -67,7 +67,11 @@ def main(argv=None):
         device = resolve_device(a.device)
     except ValueError as e:
         raise SystemExit(f"probe: --device {e}; leave --device out to use what there is") from None
-    out = run_probe(probe, tokens=a.tokens, device=device, compile=not a.no_compile, out_dir=a.out)
+    from model.memory_fit import MemoryFitError
+    try:
+        out = run_probe(probe, tokens=a.tokens, device=device, compile=not a.no_compile, out_dir=a.out)
+    except MemoryFitError as e:
+        raise SystemExit(f"probe: {e}") from None
     print(to_markdown(out))
 
 

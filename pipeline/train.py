@@ -21,7 +21,7 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from model.peak_flops import peak_flops
 from model.precision import PrecisionBackend
 from model.precision.base import compile_model
 from model.loss_eval import evaluate_bpb, token_bytes
+from model.memory_fit import MemoryFitError, fit_device_batch
 from model.tokenizer import SparkTokenizer
 from sparkchat import paths
 
@@ -222,6 +223,10 @@ def build(stage: str, p: Params, backend, device, rank: int, world: int) -> Run:
     seq_len = model.config.seq_len
     model = backend.convert(model)
     log(backend.describe(device))
+    # the device batch this GPU's memory holds (the same total batch): before any batch is made
+    fits = fit_device_batch(t.device_batch, model, device, world=world, sharded=p.runtime.parallel == "fsdp",
+                            mode=p.runtime.memory_fit, setting=f"{stage}.device_batch", log=log)
+    t = replace(t, device_batch=fits) if fits != t.device_batch else t
     use_compile = device.type == "cuda" and backend.supports_compile and p.runtime.compile != "off" \
         or p.runtime.compile == "on"
     train_batches = make_batches(stage, train_file, tok, p, t, seq_len, use_compile, rank, world, device)
@@ -431,4 +436,4 @@ def train_started(stage: str, p: Params, backend, device, rank: int, world: int)
 
 
 def main(stage: str) -> None:
-    stage_main(stage, lambda p: train(stage, p))
+    stage_main(stage, lambda p: train(stage, p), errors=(MemoryFitError,))

@@ -66,6 +66,40 @@ def test_nvfp4_refused_on_hopper(gpu):
     assert "Blackwell" in msg and "nvfp4-emulated" in msg
 
 
+@pytest.fixture
+def te_release(monkeypatch):
+    """Pretend this Transformer Engine release is installed (its package metadata; TE itself is not loaded)."""
+    import importlib.metadata as md
+    real = md.version
+
+    def set_version(v):
+        monkeypatch.setattr(md, "version", lambda dist: v if dist.replace("-", "_").startswith("transformer_engine")
+                            else real(dist))
+    return set_version
+
+
+@pytest.mark.parametrize("cap", [(12, 1), (12, 0)])
+def test_nvfp4_refused_where_te_zeroes_its_gradients(gpu, te_release, cap):
+    """TE up to 2.18 trains NVFP4 on zero gradients on sm_120/121 without an error: refused, with the reason
+    and the fix to install; 2.19 (the fix) and other Blackwell cards are not refused for it."""
+    gpu(cap)
+    te_release("2.18.0")
+    with pytest.raises(BackendUnavailable) as e:
+        get_backend("te-nvfp4").check(CUDA)
+    msg = str(e.value)
+    assert f"Transformer Engine 2.18.0 quantises NVFP4 gradients to all-zero FP4 on sm_{cap[0]}{cap[1]}" in msg
+    assert "trains on zero gradients without an error" in msg
+    assert "TE PR #3281, released in 2.19" in msg and "pip install 'transformer-engine[pytorch]>=2.19'" in msg
+    for version, cap_ in (("2.19.0", cap), ("2.20.1", cap), ("2.18.0", (10, 0))):
+        gpu(cap_)
+        te_release(version)
+        reason = get_backend("te-nvfp4").unavailable_reason(CUDA) or ""
+        assert "all-zero" not in reason, (version, cap_)
+    gpu(cap)
+    te_release("2.8.1")  # older still: refused too
+    assert "Transformer Engine 2.8.1 quantises" in get_backend("te-nvfp4").unavailable_reason(CUDA)
+
+
 def test_mxfp8_refused_on_hopper(gpu):
     gpu((9, 0))
     with pytest.raises(BackendUnavailable) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from pipeline.config import params_from_dict
 from pipeline.data import TokenStream
@@ -95,3 +96,52 @@ def test_waiting_for_a_batch_counts_as_idle(project, monkeypatch):
     slow = idle_with_loader_delay(project, monkeypatch, 0.4)
     assert slow > 0.5, f"a loader 0.4 s late per batch left the device idle only {slow:.0%} of the time"
     assert real < 0.25, f"the real loader left the device idle {real:.0%} of the time"
+
+
+def on_a_card(free_bytes: float):
+    """The training loop's memory-fit hook as it runs on a GPU with `free_bytes` free (model/memory_fit.py
+    `decide` with that figure: the one part a CPU cannot measure is the card)."""
+    from model.memory_fit import Shape, decide
+
+    def fit(requested, model, device, *, world, sharded, mode, setting, log):
+        batch, line = decide(requested, Shape.of(model, world, sharded), free_bytes, mode, setting, "a small card")
+        log(line)
+        return batch
+    return fit
+
+
+def test_the_device_batch_follows_the_cards_memory(project, monkeypatch):
+    """A card that holds half the device batch: the stage trains at half, with twice the micro-steps (the
+    same tokens a step); under `runtime.memory_fit: check` it stops before its first step, naming the
+    setting and the value that fits."""
+    import dataclasses
+
+    import pipeline.train as T
+    from model.gpt import GPT, GPTConfig
+    from model.memory_fit import HEADROOM, MemoryFitError, Shape, peak_bytes
+    from pipeline.config import n_kv_head
+
+    root, p = project
+    monkeypatch.chdir(root)
+    m = p.model
+    with torch.device("meta"):
+        shape = Shape.of(GPT(GPTConfig(vocab_size=SparkTokenizer.load(paths.TOKENIZER).vocab_size, n_layer=m.depth,
+                                       n_embd=m.n_embd, n_head=m.n_head, n_kv_head=n_kv_head(m), seq_len=m.seq_len)))
+    free = (peak_bytes(shape, 4) + peak_bytes(shape, 8)) / 2 / HEADROOM  # 4 of the 8 sequences fit
+    monkeypatch.setattr(T, "fit_device_batch", on_a_card(free))
+    sizes = []
+    real_init = TokenStream.__init__
+
+    def recording_init(self, tokens, batch, *a, **kw):
+        sizes.append(batch)
+        real_init(self, tokens, batch, *a, **kw)
+
+    monkeypatch.setattr(TokenStream, "__init__", recording_init)
+    out = T.train("pretrain", p)
+    assert sizes[0] == 4  # the train stream: half the device batch
+    assert out["tokens"] == p.pretrain.steps * p.pretrain.total_batch_tokens  # the same total batch
+    sizes.clear()
+    strict = dataclasses.replace(p, runtime=dataclasses.replace(p.runtime, memory_fit="check"))
+    with pytest.raises(MemoryFitError, match=r"pretrain\.device_batch=8 would not fit: .* set pretrain\.device_batch to 4"):
+        T.train("pretrain", strict)
+    assert sizes == []  # before any batch was made

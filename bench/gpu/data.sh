@@ -45,6 +45,7 @@ rm -f profiles/h200-generated.yaml
 cd "$T/sparkchat" || exit 1
 vocab=$(python3 -c "from model.tokenizer import SparkTokenizer; from sparkchat import paths; print(SparkTokenizer.load(paths.TOKENIZER).vocab_size)")
 tokens=$(python3 -c "from sparkchat import paths; print(paths.PRETRAIN_TRAIN_TOKENS)").ids.bin
-python3 -m bench.probe_spread --runs "${PROBE_RUNS:-3}" --out "$OUT/probe" -- --depth 20 --seq-len 2048 --batch 32 \
+batch=$(python3 -m bench.fit_batch --depth 20 --seq-len 2048 --vocab "$vocab" --batch 32) || exit 1  # halved to fit
+python3 -m bench.probe_spread --runs "${PROBE_RUNS:-3}" --out "$OUT/probe" -- --depth 20 --seq-len 2048 --batch "$batch" \
   --vocab "$vocab" --backends fp8 --steps "${PROBE_STEPS:-30}" --tokens "$tokens" 2>&1 | tail -8
 cp reports/timings/pretrain.json "$OUT/pretrain_timings.json"

@@ -15,5 +15,7 @@ mkdir -p "$OUT"
 cudnn=$(python3 -c 'import nvidia.cudnn as c, os; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null) \
   && export LD_LIBRARY_PATH=$cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
-python3 -m bench.train_step --depth 20 --batch 32 --no-attention --iters "${ITERS:-8}" --out "$OUT" \
+# 32 sequences, halved until a step fits this GPU (model/memory_fit.py: 32 does not fit an 80 GB H100)
+BATCH=${BATCH:-$(python3 -m bench.fit_batch --depth 20 --seq-len 2048 --vocab 65536 --batch 32)} || exit 1
+python3 -m bench.train_step --depth 20 --batch "$BATCH" --no-attention --iters "${ITERS:-8}" --out "$OUT" \
   --variants ${@:-bf16 fp8 te-fp8} 2>&1 | grep -v -i warn | tee "$OUT/train_step.log"

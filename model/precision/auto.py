@@ -3,7 +3,8 @@
 Choice, in order:
 1. A probe.json (from `sparkchat probe`; `AutoOptions.probe_file`, params `precision.auto`) measured
    on a GPU of the same name and compute capability: the highest tokens/s among entries that ran, are
-   not emulated, and whose loss stayed within `max_loss_diff_pct` of bf16; its options too. Entries
+   not emulated, passed the probe's numerics canary, and whose loss stayed within `max_loss_diff_pct` of
+   bf16; its options too. Entries
    probed with their own layer filter (`fp8:skip=...`) are left out: they measured other layers than
    the run's `precision.layer_filter` would convert.
 2. Otherwise a static order, first one that is available here: PREFERENCE below, from what the probe
@@ -51,7 +52,8 @@ class AutoBackend(PrecisionBackend):
             return None, f"{path} was measured on {data.get('device')!r}, this is {here!r}"
         ok = [r for r in data.get("results", [])
               if r.get("ran") and not r.get("emulated") and r.get("tokens_per_s") and "skip" not in (r.get("options") or {})
-              and r.get("loss_diff_pct") is not None and abs(r["loss_diff_pct"]) <= self.options.max_loss_diff_pct]
+              and not str(r.get("canary", "")).startswith("FAIL") and r.get("loss_diff_pct") is not None
+              and abs(r["loss_diff_pct"]) <= self.options.max_loss_diff_pct]
         if not ok:
             return None, f"{path} has no non-emulated backend within {self.options.max_loss_diff_pct}% of bf16 loss"
         best = max(ok, key=lambda r: r["tokens_per_s"])

@@ -209,7 +209,8 @@ class ProbeOptions(Settings):
     """What the precision probe runs (model/precision/probe.py `run_probe`): params.yaml's `probe:` section,
     read by `sparkchat probe` (whose flags override each field)."""
     KEY: ClassVar[str] = "probe"
-    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2}
+    MINIMUM: ClassVar[dict[str, float]] = {"steps": 1, "depth": 1, "seq_len": 1, "batch": 1, "vocab": 2,
+                                           "canary_steps": 2, "loss_band_pct": 0}
     steps: int = 20
     """Training steps per entry."""
     depth: int = 4
@@ -230,6 +231,12 @@ class ProbeOptions(Settings):
     list of its own; empty: every Linear converts, the head too)."""
     te_recipes: list[TERecipe] = field(default_factory=lambda: list(choices(TERecipe)))
     """Recipes a bare `te-fp8` entry expands to."""
+    canary_steps: int = 3
+    """Numerics canary (canary.py): steps whose gradients are checked layer by layer, finite at each and not
+    all zero at the last; a backend failing it stops there, its layers named."""
+    loss_band_pct: float = 2.0
+    """Numerics canary: a backend's loss, averaged over each fifth of the steps, stays within this many
+    percent of bf16's over the same steps, else the probe marks it failing (and `auto` never picks it)."""
 
     def check(self, key: str) -> None:
         super().check(key)

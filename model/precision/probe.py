@@ -3,7 +3,8 @@
 For every entry (a backend and its options, options.parse_entry; a bare `te-fp8` is every TE recipe)
 it first records "available" or the exact reason it is not, then trains the same model from the same
 seed on the same data for N steps under each one that runs: final loss and its difference from bf16,
-tokens/s and speedup over bf16, peak memory, MFU. `run_probe` returns the probe.json dict (and writes
+tokens/s and speedup over bf16, peak memory, MFU; and the numerics canary (canary.py): gradients finite and
+not all zero layer by layer over the first steps, losses within a band of bf16's. `run_probe` returns the probe.json dict (and writes
 probe.json, which `auto` reads, and probe.md, a Markdown table). The command (`sparkchat probe`, the
 DVC stage) is pipeline/probe.py; bench/ uses the helpers here.
 
@@ -30,10 +31,12 @@ import torch
 
 from model.device import resolve_device
 from model.gpt import GPT, GPTConfig
+from model.memory_fit import fit_device_batch
 from model.optim import build_optimizer
 from model.peak_flops import peak_flops
 
 from .base import compile_model, describe_device
+from .canary import NumericsFailure, gradient_faults, loss_band, verdict
 from .options import Entry, LayerFilter, ProbeOptions, TERecipe, TEFp8Options, choices, parse_entry
 from .registry import get_backend
 
@@ -109,7 +112,7 @@ def build_under(name, options, layer_filter, cfg, seed, device, lrs=(0.02, 0.2, 
     return backend, model, build_optimizer(model, *lrs)
 
 
-def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer_filter, lrs, log):
+def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer_filter, lrs, log, canary_steps=3):
     backend, model, opt = build_under(name, options, layer_filter, cfg, seed, device, lrs)
     describe = backend.describe(device)
     log("  " + describe)
@@ -146,6 +149,11 @@ def _train(name, options, cfg, data, steps, batch, seed, device, compile_, layer
             loss = run(x, y)
         loss.backward()
         clock.mark()  # forward + backward: the part a precision backend changes
+        if step < canary_steps:  # the numerics canary (canary.py), inside the warm-up steps the medians skip
+            last = min(canary_steps, steps)
+            faults = gradient_faults(model, step + 1, check_zero=step + 1 == last and last >= 2)
+            if faults:
+                raise NumericsFailure(faults)
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.stop()
@@ -213,6 +221,9 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
     entries = expand_entries(settings.backends, settings.te_recipes)
     layer_filter = layer_filter or LayerFilter()
     peak, peak_about = peak_flops(dev)
+    if dev.type == "cuda":  # a batch this GPU cannot hold stops here, naming the setting, not at an OOM mid-way
+        with torch.device("meta"):
+            fit_device_batch(batch, GPT(cfg), dev, mode="check", setting="probe.batch (--batch)", log=log)
     log(f"probe on {describe_device(dev)}: depth {depth} (width {cfg.n_embd}, {cfg.n_head} heads), seq {seq_len}, "
         f"batch {batch} ({batch * seq_len} tokens/step), {steps} steps, seed {seed}; {peak_about}")
     # fresh rows for every step (the loss is then a held-out loss, and a long run does not memorise a
@@ -234,9 +245,13 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
         if reason is None:
             try:
                 row.update(_train(entry.name, entry.options, cfg, data, steps, batch, seed, dev, compile, entry_lf, lrs,
-                                  log))
+                                  log, settings.canary_steps))
                 row["ran"] = True
                 row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
+                row["canary_grads"] = None
+            except NumericsFailure as e:  # runs, but trains on nothing: named, layer by layer
+                row.update(canary_grads=str(e), canary_faults=e.faults, error=f"numerics canary: {e}")
+                log(f"  FAILED the numerics canary: {e}")
             except Exception as e:  # record, keep probing the others
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                 log(f"  FAILED: {row['error']}")
@@ -249,10 +264,11 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
         if out_dir:  # partial results survive a run cut short
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "probe.partial.json").write_text(json.dumps(results, indent=1) + "\n")
-    compare_to_bf16(results)
+    compare_to_bf16(results, settings.loss_band_pct)
     out = dict(device=describe_device(dev), torch=torch.__version__, te=_te_version(),
                config=dict(depth=depth, width=cfg.n_embd, n_head=cfg.n_head, seq_len=seq_len, batch=batch,
                            tokens_per_step=batch * seq_len, steps=steps, seed=seed, vocab=vocab,
+                           canary_steps=settings.canary_steps, loss_band_pct=settings.loss_band_pct,
                            data=tokens or "markov-synthetic", flops_per_token=flops,
                            peak_tflops=peak and peak / 1e12, mfu=peak_about,
                            params=cfg.n_layer * 12 * cfg.n_embd ** 2 + 2 * vocab * cfg.n_embd),
@@ -262,13 +278,19 @@ def run_probe(settings: ProbeOptions, *, tokens: str | None = None, device: str 
     return out
 
 
-def compare_to_bf16(results: list[dict]) -> None:
-    """Loss difference and speedup of every entry that ran, against the bf16 entry."""
+def compare_to_bf16(results: list[dict], band_pct: float | None) -> None:
+    """Loss difference and speedup of every entry that ran, against the bf16 entry, and the numerics
+    canary's verdict (canary.py) of every entry that trained: its gradients, its losses in the band."""
     base = next((r for r in results if r["backend"] == "bf16" and r["ran"]), None)
+    band_pct = ProbeOptions.loss_band_pct if band_pct is None else band_pct  # a probe.json from before the canary
     for r in results:
         if r["ran"] and base:
             r["loss_diff_pct"] = 100.0 * (r["final_loss"] - base["final_loss"]) / base["final_loss"]
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if "canary_grads" in r:
+            band = loss_band(r["losses"], base["losses"], band_pct) if r["ran"] and base else None
+            r["canary_loss"] = band
+            r["canary"] = verdict(r["canary_grads"], band)
 
 
 def write_probe(out: dict, out_dir: str) -> None:
@@ -282,7 +304,8 @@ def merge_probes(outs: list[dict]) -> dict:
     """One probe from several runs of the same configuration on the same device (e.g. bf16 and fp8 in
     one process, the TE recipes in another); a backend probed twice keeps its last result that ran."""
     first = outs[0]
-    keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data", "peak_tflops")
+    keys = ("depth", "width", "seq_len", "batch", "steps", "seed", "vocab", "data", "peak_tflops", "canary_steps",
+            "loss_band_pct")
     for o in outs[1:]:
         if o["device"] != first["device"]:
             raise ValueError(f"cannot merge probes of different devices: {first['device']!r} and {o['device']!r}")
@@ -293,11 +316,11 @@ def merge_probes(outs: list[dict]) -> dict:
     for o in outs:
         for r in o["results"]:
             if r["ran"] or r["label"] not in results:  # a failed or refused row never hides a result
-                r = {k: v for k, v in r.items() if k not in ("loss_diff_pct", "speedup")}
+                r = {k: v for k, v in r.items() if k not in ("loss_diff_pct", "speedup", "canary_loss", "canary")}
                 results[r["label"]] = r
     merged = dict(first, te=next((o["te"] for o in outs if o.get("te")), None),
                   torch=", ".join(sorted({o["torch"] for o in outs})), results=list(results.values()))
-    compare_to_bf16(merged["results"])
+    compare_to_bf16(merged["results"], first["config"].get("loss_band_pct"))
     return merged
 
 
@@ -320,7 +343,7 @@ def _f(v, fmt, unit=""):
 
 
 PROBE_COLUMNS = ["backend", "runs here", "Linears converted", "final loss", "vs bf16", "tok/s", "speedup", "MFU",
-                 "peak GiB", "micro-step ms", "step ms (tok/s)"]
+                 "peak GiB", "micro-step ms", "step ms (tok/s)", "numerics canary"]
 
 
 def to_markdown(out: dict) -> str:
@@ -329,8 +352,10 @@ def to_markdown(out: dict) -> str:
              f"torch {out['torch']}, Transformer Engine {out['te'] or 'not installed'}; depth {c['depth']} "
              f"(width {c['width']}), seq {c['seq_len']}, {c['tokens_per_step']} tokens/step, {c['steps']} steps, "
              f"data {c['data']}, {c['flops_per_token'] / 1e9:.2f} GFLOP/token; {_mfu_basis(c)}.",
-             "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the last "
-             "column is the whole step with the optimizer (the same Muon + AdamW for every backend).",
+             "tok/s, speedup and MFU are for the forward + backward micro-step (what a backend changes); the "
+             "step column is the whole step with the optimizer (the same Muon + AdamW for every backend). Numerics canary: "
+             f"gradients finite and not all zero layer by layer over the first {c.get('canary_steps', '?')} steps, "
+             f"loss within ±{c.get('loss_band_pct', '?')}% of bf16's (model/precision/canary.py).",
              "", "| " + " | ".join(PROBE_COLUMNS) + " |", "|" + " --- |" * len(PROBE_COLUMNS)]
     blanks = " |" * (len(PROBE_COLUMNS) - 2)  # a row that did not run fills only its first two cells
     for r in out["results"]:
@@ -343,7 +368,8 @@ def to_markdown(out: dict) -> str:
             # the count shows a filter that left nothing to convert (say nvfp4's bf16 last blocks on a tiny model)
             lines.append(f"| {label} | yes | {_f(r.get('converted'), 'd')} | {r['final_loss']:.4f} | {_f(r.get('loss_diff_pct'), '+.2f', '%')} | "
                          f"{r['tokens_per_s']:,.0f} | {_f(r.get('speedup'), '.3f', 'x')} | {_f(r.get('mfu') and 100 * r['mfu'], '.1f', '%')} | "
-                         f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) |")
+                         f"{_f(r['peak_mem_gib'], '.1f')} | {r['micro_ms']:.0f} | {r['step_ms']:.0f} ({r['step_tokens_per_s']:,.0f}) | "
+                         f"{r.get('canary', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -33,6 +33,18 @@ def import_te():
     return te, recipe, version
 
 
+def te_version() -> str | None:
+    """The installed Transformer Engine's version, from the package metadata (so it answers without
+    loading TE's extension, which may not load on this machine); None when TE is not installed."""
+    from importlib import metadata
+    for dist in ("transformer_engine", "transformer-engine-torch", "transformer_engine_torch"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def te_missing_reason() -> str | None:
     try:
         import_te()
