@@ -119,14 +119,12 @@ def test_the_device_batch_follows_the_cards_memory(project, monkeypatch):
     import pipeline.train as T
     from model.gpt import GPT, GPTConfig
     from model.memory_fit import HEADROOM, MemoryFitError, Shape, peak_bytes
-    from pipeline.config import n_kv_head
 
     root, p = project
     monkeypatch.chdir(root)
     m = p.model
     with torch.device("meta"):
-        shape = Shape.of(GPT(GPTConfig(vocab_size=SparkTokenizer.load(paths.TOKENIZER).vocab_size, n_layer=m.depth,
-                                       n_embd=m.n_embd, n_head=m.n_head, n_kv_head=n_kv_head(m), seq_len=m.seq_len)))
+        shape = Shape.of(GPT(GPTConfig(**m.gpt_config(SparkTokenizer.load(paths.TOKENIZER).vocab_size))))
     free = (peak_bytes(shape, 4) + peak_bytes(shape, 8)) / 2 / HEADROOM  # 4 of the 8 sequences fit
     monkeypatch.setattr(T, "fit_device_batch", on_a_card(free))
     sizes = []
