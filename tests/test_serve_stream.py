@@ -276,7 +276,8 @@ def test_a_paced_front_end_gets_a_message_a_few_times_a_spacing_not_each_step(se
                 asked_at = time.monotonic()
                 ours.send(wire.Stats(-1))
         tokens = sum(len(m.ids) for m in messages)
-        assert tokens == sum(f[3] for m in messages for f in m.finished) == 8 * 60
+        # every token the engine counted arrived (a sampled stop id may end a generation before 60)
+        assert tokens == sum(f[3] for m in messages for f in m.finished) > 8 * 30
         return messages, times, asked_at
 
     try:
