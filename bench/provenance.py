@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("commit", "base_commit", "dirty", "tree_hash", "command", "date", "host", "gpus", "versions")
 # The files that decide what a benchmark runs: code and its configuration, not results or docs.
 CODE_SUFFIXES = (".py", ".yaml", ".toml", ".sh", ".cfg", ".txt")
-SKIP_DIRS = {"results", "artifacts", "reports", "node_modules", "__pycache__", "dvc_plots"}
+SKIP_DIRS = {"results", "artifacts", "reports", "node_modules", "__pycache__", "dvc_plots", "peers"}  # peers: bench/peers, git-ignored
 
 
 def _git(*args: str) -> str | None:

@@ -234,7 +234,8 @@ def test_chat_history_fills_the_context_less_the_replys_share(conv_tool_model_di
     import io
 
     from model.chat import render
-    from model.chat_engine import chat_engine, sampling_params
+    from model.chat_engine import chat_engine
+    from model.requests import sampling_params
     from model.model_dir import load_model_dir
     from sparkchat.chat import REPLY_SHARE, answer
     model, tok, gen = load_model_dir(long_reply_model_dir(conv_tool_model_dir, tmp_path / "m"))
