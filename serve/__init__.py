@@ -13,3 +13,14 @@ STREAM_INTERVAL = 0.0  # least seconds between two SSE events of one stream (0: 
 # 1000 rather than 2000: less of the server's CPU a token at 128 CPU streams (serving.md, "The server's
 # CPU a token at 128 CPU streams"), and still eight events a second to each of 128 streams.
 STREAM_EVENTS_PER_S = 1000.0
+
+# limits of one front end's connections (serve.limits; docs/serving.md, "Limits of a connection")
+MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers together
+MAX_HEADER_BYTES = 8190  # one header line (Apache httpd's LimitRequestFieldSize)
+MAX_HEADERS = 100  # headers of one request (Apache httpd's LimitRequestFields)
+REQUEST_TIMEOUT_S = 30.0  # from a request's first byte until its head and body have arrived
+KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle connection, between requests or before its first (uvicorn's default)
+MAX_CONNECTIONS = 1000  # open connections of one front end (fewer where the open-file limit is lower)
+# seconds the engine may leave a front end's ping unanswered before /health says 503 and requests fail
+# (serve.watchdog); the supervisor stops the server when it has not answered for STOP_AFTER times this
+ENGINE_TIMEOUT_S = 5.0

@@ -14,7 +14,9 @@ import socket
 
 from sparkchat import paths, start
 
-from . import API_SERVERS, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL
+from . import (API_SERVERS, ENGINE_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_BATCH, MAX_CONNECTIONS, MAX_HEAD_BYTES,
+               MAX_HEADER_BYTES, MAX_HEADERS, MAX_QUEUE, MODEL_ID, REQUEST_TIMEOUT_S, STREAM_EVENTS_PER_S,
+               STREAM_INTERVAL)
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning. The engine thread interleaves short
 # kernels with Python work, and spinning workers steal the cores it needs (decoding on a 2-core CPU
@@ -39,6 +41,13 @@ def _at_least(low, kind):
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
         return value
     return parse
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,6 +82,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave out the access log's line a request (uvicorn's; default: one a request)")
     p.add_argument("--served-model-name", default=MODEL_ID,
                    help="the model's name in the API: /v1/models and the requests' `model` (default: %(default)s)")
+    limits = p.add_argument_group("limits of a connection (docs/serving.md, \"Limits of a connection\")")
+    limits.add_argument("--max-head-bytes", type=_at_least(1, int), default=MAX_HEAD_BYTES,
+                        help="bytes of a request's line and headers together; more: 431 (default: %(default)s)")
+    limits.add_argument("--max-header-bytes", type=_at_least(1, int), default=MAX_HEADER_BYTES,
+                        help="bytes of one header line; more: 431 (default: %(default)s)")
+    limits.add_argument("--max-headers", type=_at_least(1, int), default=MAX_HEADERS,
+                        help="headers of one request; more: 431 (default: %(default)s)")
+    limits.add_argument("--request-timeout", type=_positive, default=REQUEST_TIMEOUT_S,
+                        help="seconds from a request's first byte until its head and body have arrived; later: "
+                             "408 and the connection closes (default: %(default)s)")
+    limits.add_argument("--keep-alive-timeout", type=_positive, default=KEEP_ALIVE_TIMEOUT_S,
+                        help="seconds a connection may sit idle, before its first request or between two "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-connections", type=_at_least(1, int), default=MAX_CONNECTIONS,
+                        help="open connections of each front end, fewer where the open-file limit (raised to "
+                             "its hard limit at start) leaves less; more: 503 with Retry-After (default: %(default)s)")
+    limits.add_argument("--engine-timeout", type=_positive, default=ENGINE_TIMEOUT_S,
+                        help="seconds the engine may leave a front end's ping unanswered while it lives: then "
+                             "/health is 503 and requests fail with 503; the server stops when it stays "
+                             "unanswered several times as long (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -122,12 +151,15 @@ def main(argv=None) -> None:
     from .supervisor import run
     settings = dict(model_dir=args.model, device=args.device, api_key=args.api_key or None, max_batch=args.max_batch,
                     max_queue=args.max_queue, model_id=args.served_model_name, stream_interval=args.stream_interval,
-                    events_per_s=args.events_per_s, ui=args.ui)
+                    events_per_s=args.events_per_s, ui=args.ui, engine_timeout=args.engine_timeout)
+    limits = dict(max_head_bytes=args.max_head_bytes, max_header_bytes=args.max_header_bytes,
+                  max_headers=args.max_headers, request_timeout=args.request_timeout,
+                  keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving on http://%s:%d with %d front-end process(es) (%sthe API under /v1; /health answers 200 "
              "once the model has loaded)", host, sock.getsockname()[1], args.api_servers,
              "the chat page at /, " if args.ui else "")
-    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log))
+    raise SystemExit(run(settings, sock, args.api_servers, access_log=args.access_log, limits=limits))
 
 
 if __name__ == "__main__":

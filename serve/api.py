@@ -4,7 +4,7 @@
     POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
     POST /v1/responses          OpenAI responses, for text: JSON or SSE events (responses.py)
     GET  /v1/models             the one served model
-    GET  /health                503 while the model loads (or failed to), then 200
+    GET  /health                503 while the model loads (or failed to, or the engine is hung), else 200
     GET  /metrics               Prometheus text format
     /                           the Gradio chat page (ui.py), same engine
 
@@ -29,11 +29,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sparkchat import paths
 
-from . import MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL, completions, errors, responses, serving
-from .errors import APIError, engine_stopped
+from . import (ENGINE_TIMEOUT_S, MAX_BATCH, MAX_QUEUE, MODEL_ID, STREAM_EVENTS_PER_S, STREAM_INTERVAL, completions,
+               errors, responses, serving)
+from .errors import APIError, engine_stalled, engine_stopped
 from .guard import MAX_BODY_BYTES, V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
+from .watchdog import watch_link
 from .sse import SERVER_SEND, EventStream
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
@@ -66,6 +68,9 @@ class Settings:
     """The Unix socket of a running engine process to use (`sparkchat serve` passes its own); None:
     start one for this app."""
     engine_authkey: bytes | None = None
+    engine_timeout: float = ENGINE_TIMEOUT_S
+    """Seconds the engine may leave a ping (or a request's submit) unanswered before this front end takes
+    it for hung: /health 503, requests 503 (serve.watchdog)."""
     serve_while_loading: bool = True
     """Take connections while the engine loads (answering 503, /health "loading"); False: take none until
     it has, as `sparkchat serve` starts every front end but its first, and any it starts again: the kernel
@@ -81,6 +86,8 @@ class Settings:
             raise ValueError(f"stream_interval must be >= 0 seconds, got {self.stream_interval}")
         if not self.events_per_s >= 0:
             raise ValueError(f"events_per_s must be >= 0, got {self.events_per_s}")
+        if not self.engine_timeout > 0:
+            raise ValueError(f"engine_timeout must be > 0 seconds, got {self.engine_timeout}")
 
 
 def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threading.Thread:
@@ -92,6 +99,10 @@ def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threadin
             runtime.link.on_death = app.state.on_engine_lost
             app.state.runtime = runtime.start(loop)
             app.state.metrics.loaded = True
+            app.state.watchdog = asyncio.run_coroutine_threadsafe(
+                watch_link(runtime.link, app.state.settings.engine_timeout), loop)
+            if app.state.on_ready is not None:
+                app.state.on_ready()
         except Exception as e:  # /health reports it; the process stays up to say so
             log.exception("loading the model failed")
             app.state.load_error = f"{type(e).__name__}: {e}"
@@ -109,6 +120,8 @@ def get_runtime(request: Request) -> Runtime:
                        code="model_not_loaded")
     if runtime.link.dead:
         raise engine_stopped(runtime.link.dead)
+    if runtime.link.stalled:
+        raise engine_stalled(runtime.link.stalled)
     return runtime
 
 
@@ -170,9 +183,9 @@ async def get_model(model_id: str, request: Request):
 @router.get("/health")
 async def health(request: Request):
     runtime = request.app.state.runtime
-    if runtime is not None and not runtime.link.dead:
+    if runtime is not None and not runtime.link.dead and not runtime.link.stalled:
         return {"status": "ok"}
-    error = runtime.link.dead if runtime is not None else request.app.state.load_error
+    error = (runtime.link.dead or runtime.link.stalled) if runtime is not None else request.app.state.load_error
     return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
 
 
@@ -247,6 +260,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     app.state.settings, app.state.metrics = settings, metrics
     app.state.runtime, app.state.load_error = None, None
     app.state.on_engine_lost = None  # called with the reason when the channel to the engine ends
+    app.state.on_ready = None  # called once the engine is reached (the supervisor's restart limit)
     app.state.started = int(time.time())
     errors.install(app)
     app.include_router(router)

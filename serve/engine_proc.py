@@ -352,7 +352,7 @@ class EngineProcess:
 
     def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int,
                  exit_on_failed_load: bool = False):
-        self.dir = tempfile.mkdtemp(prefix="sparkchat-")
+        self.dir = tempfile.mkdtemp(prefix=f"sparkchat-{os.getpid()}-")  # (the pid: serve.supervisor.remove_stale_folders)
         self.address, self.authkey = str(Path(self.dir) / "engine.sock"), secrets.token_bytes(16)
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=main, name="sparkchat-engine", daemon=True,

@@ -33,6 +33,11 @@ def engine_stopped(why: str) -> APIError:
     return APIError(503, f"The engine stopped: {why}", code="engine_stopped")
 
 
+def engine_stalled(why: str) -> APIError:
+    """The 503 of a request that finds the engine hung (serve.watchdog), or whose submit it left unanswered."""
+    return APIError(503, f"The engine is not answering: {why}. Retry later.", code="engine_stalled")
+
+
 def _printable(text: str | None) -> str | None:
     """Text that can be written as UTF-8: a lone surrogate the client sent (and an error quotes) as its
     escape, so the error itself never fails to encode."""
