@@ -40,9 +40,13 @@ from .errors import error_body
 
 log = logging.getLogger("sparkchat.serve")
 
-FD_RESERVE = 128  # descriptors a front end keeps for its own files, the engine's channel and refusals
-REFUSE_WITHIN_S = 2.0  # a connection over the limit has this long to send its head (to read its 503)
-LINGER_S = 1.0  # a refused connection's bytes are read and dropped this long before it closes
+FD_RESERVE = 64  # descriptors a front end keeps for its own files and the engine's channel
+# a connection over the limit has REFUSE_WITHIN_S to send its head, then reads its 503 (a client sends its
+# head as soon as it connects); at most REFUSING wait so at once, beyond that one is closed unanswered
+# (a burst of connections faster than they can be answered: the descriptors are kept for those served)
+REFUSE_WITHIN_S = 0.5
+REFUSING = 128
+LINGER_S = 0.5  # a refused connection's bytes are read and dropped this long before it closes
 RETRY_AFTER_S = 1  # the over-limit 503's Retry-After
 WARN_EVERY_S = 10.0  # a refusal of each kind is logged at most this often (an attacker writes no log flood)
 REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
@@ -89,7 +93,7 @@ def connection_cap(wanted: int) -> int:
     """The connections a front end may hold: `wanted`, or fewer so that its descriptors never run out
     (an accept that fails for want of one is a silent failure for the client)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    cap = max(1, soft - FD_RESERVE) if soft != resource.RLIM_INFINITY else wanted
+    cap = max(1, soft - FD_RESERVE - REFUSING) if soft != resource.RLIM_INFINITY else wanted
     if cap < wanted:
         log.warning("at most %d connections a front end (--max-connections %d is above what the open-file "
                     "limit of %d leaves: raise it with `ulimit -n`)", cap, wanted, soft)
@@ -133,6 +137,9 @@ class LimitedHttp(HttpToolsProtocol):
             self.over_limit = True
             _warn(503, f"{len(self.connections) - 1} connections are open, this front end's limit "
                        f"(--max-connections)")
+            if len(self.connections) > self.cap + REFUSING:
+                self.transport.close()
+                return
             self.request_timer = self.loop.call_later(REFUSE_WITHIN_S, self.transport.close)
         else:  # idle before its first request as between two (uvicorn times only the latter)
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
