@@ -323,7 +323,10 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     connects. A load that fails is said to every front end instead, or with `exit_on_failed_load` ends
     this process with code 1 (`sparkchat serve`: a server that can never answer stops, saying why)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
+    # Ctrl-C, and a service manager's SIGTERM, reach the whole group: the parent stops this one (EngineProcess.stop)
+    # once the front ends have finished their streams, which an engine gone first would cut with an error
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:
@@ -361,12 +364,10 @@ class EngineProcess:
         self.process.start()
 
     def stop(self) -> None:
+        """End the engine process: SIGKILL, since it ignores SIGTERM (see main) and holds nothing to save."""
         if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(10)
-        if self.process.is_alive():  # stuck (in a CUDA call, say): SIGTERM did not end it
             self.process.kill()
-            self.process.join()
+        self.process.join()
         for f in Path(self.dir).glob("*"):
             f.unlink()
         os.rmdir(self.dir)

@@ -177,8 +177,6 @@ def run(settings: dict, sock: socket.socket, api_servers: int, log_level: str = 
             code = 1
     finally:
         watch.stop()
-        if hung:  # a stopped process takes no SIGTERM until it runs again: no use waiting for it
-            engine.process.kill()
         sock.close()  # once each front end has closed its copy too, a new connection is refused, not queued
         for p in frontends:
             if p.is_alive():

@@ -248,7 +248,7 @@ def test_a_half_closed_client_keeps_its_stream(long_model_dir, banned):  # noqa:
 
 
 def test_a_clean_stop_logs_no_error_and_stale_folders_are_removed(long_model_dir):
-    """SIGTERM: exit code 0 and no ERROR line. A supervisor killed with -9 leaves its folders (engine
+    """SIGTERM to the whole process group, as a service manager stops it: exit code 0 and no ERROR line. A supervisor killed with -9 leaves its folders (engine
     socket, metrics) in the temp directory: the next server's start removes them."""
     temp = tempfile.mkdtemp()
     env_temp = {"TMPDIR": temp}
@@ -270,7 +270,29 @@ def test_a_clean_stop_logs_no_error_and_stale_folders_are_removed(long_model_dir
         second.wait_healthy()
         now = sorted(p.name for p in Path(temp).glob("sparkchat-*"))
         assert not set(left) & set(now) and len(now) == 2
+        os.killpg(second.proc.pid, signal.SIGTERM)
     finally:
         assert second.stop() == 0
     assert " ERROR " not in second.log_text(), second.log_text()[-3000:]
     assert list(Path(temp).glob("sparkchat-*")) == []
+
+
+def test_malformed_chat_page_calls_are_refused_with_a_4xx(serve_model_dir, caplog):
+    """Logged-in calls to the chat page's own API that Gradio fails on (data not of the endpoint's shape,
+    unknown endpoints and function indexes): a 4xx naming the call, no 500, no ERROR logged."""
+    from fastapi.testclient import TestClient
+
+    from serve.api import Settings, create_app
+    from serve.runtime import Runtime
+    app = create_app(Settings(model_dir=serve_model_dir, api_key="key", ui=True),
+                     loader=lambda metrics: Runtime.in_process(serve_model_dir, metrics, "cpu"))
+    calls = [("/gradio_api/call/v2/respond", {"data": 5}), ("/gradio_api/call/v2/respond", {"data": "x"}),
+             ("/gradio_api/call/v2/nosuch", {"message": "hi"}), ("/gradio_api/call/nosuch", {"data": []}),
+             ("/gradio_api/queue/join", {"data": [], "fn_index": 999, "session_hash": "abc"}),
+             ("/gradio_api/run/nosuch", {"data": []})]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/login", data={"username": "u", "password": "key"}).status_code == 200
+        for path, body in calls:
+            r = client.post(path, json=body)
+            assert 400 <= r.status_code < 500 and path in r.json()["error"]["message"], (path, r.status_code, r.text)
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]

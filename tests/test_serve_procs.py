@@ -60,7 +60,8 @@ class Server:
         self.log = tempfile.TemporaryFile()  # printed by stop(): pytest shows it when the test fails
         self.proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(model_dir), "--port",
                                       str(self.port), "--device", "cpu", *flags], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # (a group of its own, as a service manager starts it)
 
     def wait_healthy(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
