@@ -137,6 +137,9 @@ class LimitedHttp(HttpToolsProtocol):
         if self.refusal is not None:  # refused: what else comes is read and dropped until the close
             return
         self._unset_keepalive_if_required()
+        # a chunk counts toward a head only when it began and ended inside one: the last chunk of a body
+        # (after which the parser waits for the next head) is no head's bytes
+        reading = self.reading_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -154,7 +157,7 @@ class LimitedHttp(HttpToolsProtocol):
             else:
                 self._refuse()
             return
-        if self.reading_head:
+        if reading and self.reading_head:
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_head_bytes:  # counted before httptools joins any more
                 self._refusal(431, f"The request's head is over {self.limits.max_head_bytes} bytes (--max-head-bytes)")
