@@ -4,7 +4,7 @@
     POST /v1/completions        OpenAI (legacy) completions: text or token-id prompts, echo, logprobs
     POST /v1/responses          OpenAI responses, for text: JSON or SSE events (responses.py)
     GET  /v1/models             the one served model
-    GET  /health                503 while the model loads (or failed to), then 200
+    GET  /health                503 while the model loads (or failed to, or the engine is hung), else 200
     GET  /metrics               Prometheus text format
     /                           the Gradio chat page (ui.py), same engine
 
@@ -17,20 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import multiprocessing
 import threading
 import time
-from typing import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, get_type_hints
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
 
 from . import completions, errors, responses, serving
-from .errors import APIError, engine_stopped
+from .errors import APIError, engine_stalled, engine_stopped
 from .guard import V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .runtime import Runtime
 from .settings import Settings
+from .watchdog import watch_link
 from .sse import SERVER_SEND, EventStream
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, Model, ModelList
 
@@ -46,6 +54,10 @@ def _load_in_background(app: FastAPI, loader: Callable[[], Runtime]) -> threadin
             runtime.link.on_death = app.state.on_engine_lost
             app.state.runtime = runtime.start(loop)
             app.state.metrics.loaded = True
+            app.state.watchdog = asyncio.run_coroutine_threadsafe(
+                watch_link(runtime.link, app.state.settings.engine_timeout), loop)
+            if app.state.on_ready is not None:
+                app.state.on_ready()
         except Exception as e:  # /health reports it; the process stays up to say so
             log.exception("loading the model failed")
             app.state.load_error = f"{type(e).__name__}: {e}"
@@ -63,14 +75,78 @@ def get_runtime(request: Request) -> Runtime:
                        code="model_not_loaded")
     if runtime.link.dead:
         raise engine_stopped(runtime.link.dead)
+    if runtime.link.stalled:
+        raise engine_stalled(runtime.link.stalled)
     return runtime
 
 
-router = APIRouter()
+INLINE_CHECK_BYTES = 16 * 1024  # a body this small is parsed and checked on the loop (a few ms at most)
+
+
+def _parse(model, raw: bytes):
+    """A body as FastAPI reads it (json.loads, then the model's validation of the Python value): the model,
+    None when it is not JSON (FastAPI's own path then says why), or ("invalid", errors, value)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        return "invalid", [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)], data
+
+
+_parser: ProcessPoolExecutor | None = None  # this front end's, started at its first large body
+
+
+async def parse_off_loop(model, raw: bytes):
+    """_parse in a process of its own: json.loads and pydantic hold the GIL for the whole of a large body
+    (a thread would hold up the loop as long), and the model's pickle loads several times faster than it
+    parses and validates (bench/results/api-robustness.md, "Hostile clients")."""
+    global _parser
+    if _parser is None:
+        _parser = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_parser, _parse, model, raw)
+    except BrokenProcessPool:  # (killed): the next large body starts another
+        _parser = None
+        return await asyncio.to_thread(_parse, model, raw)
+
+
+class OffLoopRoute(APIRoute):
+    """A route whose large JSON body is parsed and validated off the event loop (parse_off_loop): a 0.9 MB
+    body (300,000 token ids, 10,000 turns, a 60,000-entry logit_bias) parsed on it held every other client
+    of the front end for a large part of a second. The endpoint (`body`, `request`) is then called here
+    with the model; a small body, or one FastAPI must refuse as not JSON, takes FastAPI's own path."""
+
+    def get_route_handler(self):
+        handler, endpoint = super().get_route_handler(), self.endpoint
+        model = get_type_hints(endpoint).get("body")
+        if model is None:
+            return handler
+
+        async def route(request: Request) -> Response:
+            raw = await request.body()
+            kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+            if len(raw) <= INLINE_CHECK_BYTES or not (kind == "application/json" or kind.endswith("+json")):
+                return await handler(request)
+            body = await parse_off_loop(model, raw)
+            if body is None:
+                return await handler(request)
+            if isinstance(body, tuple):
+                raise RequestValidationError(body[1], body=body[2])
+            result = await endpoint(body, request)
+            if isinstance(result, Response):
+                return result
+            return JSONResponse(result.model_dump(mode="json", by_alias=True))
+
+        return route
+
+
+router = APIRouter(route_class=OffLoopRoute)
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-INLINE_CHECK_BYTES = 16 * 1024  # a body this small is checked on the loop (a few ms of tokenizing at most)
 
 
 async def answer(endpoint, body, request: Request):
@@ -124,9 +200,9 @@ async def get_model(model_id: str, request: Request):
 @router.get("/health")
 async def health(request: Request):
     runtime = request.app.state.runtime
-    if runtime is not None and not runtime.link.dead:
+    if runtime is not None and not runtime.link.dead and not runtime.link.stalled:
         return {"status": "ok"}
-    error = runtime.link.dead if runtime is not None else request.app.state.load_error
+    error = (runtime.link.dead or runtime.link.stalled) if runtime is not None else request.app.state.load_error
     return JSONResponse({"status": "error" if error else "loading", "error": error}, status_code=503)
 
 
@@ -201,6 +277,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
     app.state.settings, app.state.metrics = settings, metrics
     app.state.runtime, app.state.load_error = None, None
     app.state.on_engine_lost = None  # called with the reason when the channel to the engine ends
+    app.state.on_ready = None  # called once the engine is reached (the supervisor's restart limit)
     app.state.started = int(time.time())
     errors.install(app)
     app.include_router(router)

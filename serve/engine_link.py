@@ -33,6 +33,10 @@ from . import wire
 log = logging.getLogger("sparkchat.serve")
 
 
+class EngineStalled(EngineStopped):
+    """The engine lives but has not answered for longer than the front end waits (serve.watchdog)."""
+
+
 class _Channel(asyncio.Protocol):
     """The bytes from the engine, cut into messages (wire.frame's format)."""
 
@@ -73,6 +77,8 @@ class EngineLink:
         self.waiting: dict[int, asyncio.Future] = {}  # acks and stats answers, by rid / token
         self.rids = itertools.count()
         self.dead: str | None = None
+        self.stalled: str | None = None  # why the engine is taken for hung (serve.watchdog); None: it answers
+        self.answer_timeout: float | None = None  # the longest a submit waits for its answer (None: no limit)
         self.on_death: Callable[[str], None] | None = None  # called once, when the link dies
 
     @classmethod
@@ -163,13 +169,21 @@ class EngineLink:
         rids = [next(self.rids) for _ in jobs]
         for rid, (_, _, stream) in zip(rids, jobs):
             self.streams[rid] = stream  # before the ack: their first tokens may come in the same message
+        if self.stalled is not None:
+            raise EngineStalled(self.stalled)
         try:
-            refusal = await self._ask(rids[0], wire.Submit([(rid, prompt, params)
-                                                            for rid, (prompt, params, _) in zip(rids, jobs)]))
+            refusal = await asyncio.wait_for(self._ask(rids[0], wire.Submit([
+                (rid, prompt, params) for rid, (prompt, params, _) in zip(rids, jobs)])), self.answer_timeout)
         except asyncio.CancelledError:  # the client went away meanwhile: the engine must not run them
             for rid in rids:
                 self.cancel(rid)
             raise
+        except asyncio.TimeoutError:  # it may yet take them: it must not run them
+            self.waiting.pop(rids[0], None)
+            for rid in rids:
+                self.cancel(rid)
+            raise EngineStalled(f"the engine did not answer within {self.answer_timeout:g} s (stopped or "
+                                f"stuck; --engine-timeout)") from None
         except EngineStopped:
             for rid in rids:
                 self.streams.pop(rid, None)
@@ -179,6 +193,23 @@ class EngineLink:
                 self.streams.pop(rid, None)
             raise wire.refusal_error(refusal)
         return rids
+
+    def stall(self, why: str) -> None:
+        """The engine is taken for hung: every open stream ends with an error (and is cancelled, should it
+        wake), each waiting command fails, and new requests are refused until `unstall`."""
+        self.stalled = why
+        log.error("%s: every open stream ends with an error, new requests get 503", why)
+        for rid, s in list(self.streams.items()):
+            self.cancel(rid)
+            s.push(Finished("error", 0, 0, why))
+        for key, fut in list(self.waiting.items()):
+            if key >= 0 and not fut.done():  # (the watchdog's own pings time out by themselves)
+                fut.set_exception(EngineStalled(why))
+
+    def unstall(self) -> None:
+        if self.stalled is not None:
+            log.warning("the engine answers again: serving")
+            self.stalled = None
 
     def cancel(self, rid: int) -> None:
         if self.streams.pop(rid, None) is not None:

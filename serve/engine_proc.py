@@ -265,7 +265,10 @@ def main(model_dir: str, device: str | None, max_batch: int, max_queue: int, add
     connects. A load that fails is said to every front end instead, or with `exit_on_failed_load` ends
     this process with code 1 (`sparkchat serve`: a server that can never answer stops, saying why)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
+    # Ctrl-C, and a service manager's SIGTERM, reach the whole group: the parent stops this one (EngineProcess.stop)
+    # once the front ends have finished their streams, which an engine gone first would cut with an error
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, daemon=True).start()
     listener = Listener(address, "AF_UNIX", backlog=64, authkey=authkey)
     try:

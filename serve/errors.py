@@ -6,6 +6,7 @@ so a client never sees a bare 422 or an HTML 404, and bad input never becomes a 
 from __future__ import annotations
 
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,11 @@ class APIError(Exception):
 def engine_stopped(why: str) -> APIError:
     """The 503 of a request that finds the engine gone (its channel ended)."""
     return APIError(503, f"The engine stopped: {why}", code="engine_stopped")
+
+
+def engine_stalled(why: str) -> APIError:
+    """The 503 of a request that finds the engine hung (serve.watchdog), or whose submit it left unanswered."""
+    return APIError(503, f"The engine is not answering: {why}. Retry later.", code="engine_stalled")
 
 
 def _printable(text: str | None) -> str | None:
@@ -154,6 +160,18 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, message, param, "invalid_value")
 
 
+def _unparsed(cause: BaseException | None) -> str:
+    """Why FastAPI could not parse a body (its 400 keeps the reason only as the cause)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"The request body is not UTF-8 (byte {cause.start}): send JSON, encoded as UTF-8"
+    if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's int limit (CVE-2020-10735)
+        return (f"The request body could not be read as JSON: it holds an integer of over "
+                f"{sys.get_int_max_str_digits()} digits")
+    if isinstance(cause, ValueError):
+        return f"The request body could not be read as JSON: {cause}"
+    return "The request body could not be read: send JSON, encoded as UTF-8"
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -162,12 +180,18 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if errors and isinstance(errors[0].get("input"), bytes):  # FastAPI left a body it did not take for JSON
+            kind = request.headers.get("content-type")
+            return error_response(400, f"The request body must be JSON, sent with 'Content-Type: application/json' "
+                                       f"({f'got {kind!r}' if kind else 'no Content-Type was sent'})", None,
+                                  "invalid_value")
         return validation_error(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         messages = {404: f"Unknown URL {request.url.path}", 405: f"Method {request.method} is not allowed",
-                    400: "The request body could not be read: send JSON, encoded as UTF-8"}  # FastAPI's parse error
+                    400: _unparsed(exc.__cause__)}  # FastAPI's parse error
         return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
                               headers=getattr(exc, "headers", None))
 

@@ -42,7 +42,7 @@ class EngineProcess:
 
     def __init__(self, model_dir, device: str | None, max_batch: int, max_queue: int,
                  exit_on_failed_load: bool = False, weights: str = "bf16"):
-        self.dir = tempfile.mkdtemp(prefix="sparkchat-")
+        self.dir = tempfile.mkdtemp(prefix=f"sparkchat-{os.getpid()}-")  # (the pid: serve.supervisor.remove_stale_folders)
         self.address, self.authkey = str(Path(self.dir) / "engine.sock"), secrets.token_bytes(16)
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=_engine_main, name="sparkchat-engine", daemon=True,
@@ -51,12 +51,11 @@ class EngineProcess:
         self.process.start()
 
     def stop(self) -> None:
+        """End the engine process: SIGKILL, since it ignores SIGTERM (serve.engine_proc.main) and holds nothing
+        to save."""
         if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(10)
-        if self.process.is_alive():  # stuck (in a CUDA call, say): SIGTERM did not end it
             self.process.kill()
-            self.process.join()
+        self.process.join()
         for f in Path(self.dir).glob("*"):
             f.unlink()
         os.rmdir(self.dir)

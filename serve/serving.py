@@ -22,7 +22,8 @@ from model.chat import ChatFormatError, content_text, display_words
 from model.requests import EngineStopped, PromptTooLong, QueueFull, SamplingParams, Token
 from model.tokenizer import SparkTokenizer
 
-from .errors import APIError, engine_stopped, error_body
+from .engine_link import EngineStalled
+from .errors import APIError, engine_stalled, engine_stopped, error_body
 from .runtime import Runtime, TextStream, merged
 from .sse import Last
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
@@ -129,6 +130,8 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
     except QueueFull as e:
         raise APIError(429, f"The server is busy: {e}. Retry shortly.", None, "queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineStalled as e:
+        raise engine_stalled(str(e)) from None
     except EngineStopped as e:
         raise engine_stopped(str(e)) from None
     except PromptTooLong as e:

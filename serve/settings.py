@@ -18,13 +18,13 @@ from sparkchat import paths
 API_KEY_ENV = "SPARKCHAT_API_KEY"
 
 
-def knob(default, help: str, flag: str | None = None, low=None, high=None, choices=None, env: str | None = None,
-         cli: bool = True):
+def knob(default, help: str, flag: str | None = None, low=None, high=None, above=None, choices=None,
+         env: str | None = None, cli: bool = True):
     """A field of Settings: `help` for its flag (`flag`, default --the-field-name; `cli` False: no flag, set
-    by the server's own processes), the range or the choices it must lie in, and an environment variable
-    that gives its default on the command line."""
-    return field(default=default, metadata={"help": help, "flag": flag, "low": low, "high": high, "choices": choices,
-                                            "env": env, "cli": cli})
+    by the server's own processes), the range (`low` and `high` included, `above` not) or the choices it must
+    lie in, and an environment variable that gives its default on the command line."""
+    return field(default=default, metadata={"help": help, "flag": flag, "low": low, "high": high, "above": above,
+                                            "choices": choices, "env": env, "cli": cli})
 
 
 @dataclass
@@ -61,6 +61,20 @@ class Settings:
                         "sm_89+; docs/serving.md, 'FP8 weights')", choices=SERVE_WEIGHTS)
     max_body: int = knob(1 << 20, "the largest request body /v1 reads, in bytes; beyond it a 413",
                          flag="--max-body-bytes", low=1)
+    # limits of a connection (serve.limits; docs/serving.md, "Limits of a connection"); Apache httpd's
+    # defaults where it has one (LimitRequestFieldSize, LimitRequestFields)
+    max_head_bytes: int = knob(64 * 1024, "bytes of a request's line and headers together; more: 431", low=1)
+    max_header_bytes: int = knob(8190, "bytes of one header line; more: 431", low=1)
+    max_headers: int = knob(100, "headers of one request; more: 431", low=1)
+    request_timeout: float = knob(30.0, "seconds from a request's first byte until its head and body have arrived; "
+                                  "later: 408 and the connection closes", above=0)
+    keep_alive_timeout: float = knob(5.0, "seconds a connection may sit idle, before its first request or between "
+                                     "two (uvicorn's default)", above=0)
+    max_connections: int = knob(1000, "open connections of each front end, fewer where the open-file limit (raised "
+                                "to its hard limit at start) leaves less; more: 503 with Retry-After", low=1)
+    engine_timeout: float = knob(5.0, "seconds the engine may leave a front end's ping unanswered while it lives: "
+                                 "then /health is 503 and requests fail with 503; the server stops when it stays "
+                                 "unanswered several times as long (serve.watchdog)", above=0)
     # set by `sparkchat serve` for its front ends, not flags
     engine_address: str | None = knob(None, "the Unix socket of a running engine process; None: the app starts "
                                       "one of its own", cli=False)
@@ -77,6 +91,8 @@ class Settings:
             if (low is not None and not value >= low) or (high is not None and not value <= high):
                 bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{flag_of(f)} must be {bounds}, got {value}")
+            if f.metadata["above"] is not None and not value > f.metadata["above"]:
+                raise ValueError(f"{flag_of(f)} must be > {f.metadata['above']}, got {value}")
             if f.metadata["choices"] and value not in f.metadata["choices"]:
                 raise ValueError(f"{flag_of(f)} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
 

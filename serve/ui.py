@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
+from gradio.route_utils import API_PREFIX, FnIndexInferError
+from starlette.exceptions import HTTPException
+
+from .errors import error_response
 
 from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
 from model.requests import EngineStopped, QueueFull
@@ -40,6 +45,7 @@ EXAMPLES = [
 ]
 TOOL_TITLE = "Calculator"
 EMPTY = "(empty reply)"
+log = logging.getLogger("sparkchat.serve")
 QUEUE_POLL_S = 0.05  # how often the chat page's queue looks for a new job while it has none (mount_ui)
 
 
@@ -194,6 +200,69 @@ def build_ui(app: FastAPI) -> gr.Blocks:
     return page
 
 
+def _client_error(exc: BaseException) -> tuple[int, str] | None:
+    """(status, reason) when Gradio failed on what a client sent, not on a fault of its own: an unknown
+    endpoint, function, event or session, or data of a shape its code did not expect (raised inside
+    gradio's own code); None for anything else, which stays a 500 with its traceback."""
+    cause = exc.__cause__ if isinstance(exc, RuntimeError) else None  # Starlette: "response already started"
+    for e in (exc, cause):
+        if isinstance(e, HTTPException) and e.status_code < 500:
+            return e.status_code, str(e.detail)
+    if isinstance(exc, FnIndexInferError):
+        return 404, str(exc)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    in_gradio = tb is not None and any(f"/{package}/" in tb.tb_frame.f_code.co_filename
+                                       for package in ("gradio", "gradio_client"))
+    if in_gradio and isinstance(exc, (KeyError, IndexError)):
+        return 404, f"unknown {exc}"
+    if in_gradio and isinstance(exc, (TypeError, ValueError, AttributeError)):
+        return 400, f"malformed call: {exc}"
+    return None
+
+
+class GradioGuard:
+    """ASGI middleware over the chat page's own API (/gradio_api/...): a call that Gradio fails on with a
+    client's mistake (_client_error) is answered with a 4xx and the reason, logged in one line, instead of
+    a 500 and a traceback. Gradio's app answers 500 itself before the error reaches here, so a 500's start
+    is held until its body comes or the error does. A reply already begun (an event stream) just ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX + "/"):
+            return await self.app(scope, receive, send)
+        started, held = False, []  # held: a 500's messages
+
+        async def watched(message):
+            nonlocal started
+            if held or (message["type"] == "http.response.start" and message["status"] == 500):
+                held.append(message)
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async def flush():
+            for message in held:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            refusal = _client_error(e)
+            if refusal is None:
+                await flush()
+                raise
+            status, why = refusal
+            log.info("refused a chat page call to %s with %d: %s", scope["path"], status, why)
+            if not started:
+                await error_response(status, f"The call to {scope['path']} was refused: {why}")(scope, receive, send)
+        else:
+            await flush()
+
+
 def mount_ui(app: FastAPI, settings) -> gr.Blocks:
     """The chat page at / of `app`; the page."""
     auth = None
@@ -209,4 +278,5 @@ def mount_ui(app: FastAPI, settings) -> gr.Blocks:
     # every API stream shares. QUEUE_POLL_S is Gradio's own job poll on Windows: a chat turn that waits that
     # long to start is not seen. Gradio has no public setting for either.
     page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S
+    app.add_middleware(GradioGuard)
     return page

@@ -101,3 +101,15 @@ def test_a_body_that_is_not_utf8_is_a_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b'{"model": "sparkchat", "messages": '
                    b'[{"role": "user", "content": "caf\xe9"}]}', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+
+
+def test_a_huge_integer_and_a_body_not_sent_as_json_say_what_is_wrong(server):
+    """A 5,000-digit number is past Python's integer limit (not "send UTF-8"); a JSON body sent with
+    another Content-Type is told to send it as JSON (not "got bytes")."""
+    r = httpx.post(server.url + "/v1/completions", headers={"content-type": "application/json"},
+                   content=b'{"model": "sparkchat", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert r.status_code == 400 and "integer of over 4300 digits" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "sparkchat", "prompt": "Hi"}',
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 400, r.text
+    assert "'Content-Type: application/json' (got 'text/plain')" in r.json()["error"]["message"], r.text

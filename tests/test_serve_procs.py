@@ -53,14 +53,15 @@ def free_port() -> int:
 class Server:
     """`python -m serve` as a subprocess, and its processes found through /proc."""
 
-    def __init__(self, model_dir: Path, *flags: str):
+    def __init__(self, model_dir: Path, *flags: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **(env or {})}
         self.log = tempfile.TemporaryFile()  # printed by stop(): pytest shows it when the test fails
         self.proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(model_dir), "--port",
                                       str(self.port), "--device", "cpu", *flags], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # (a group of its own, as a service manager starts it)
 
     def wait_healthy(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
