@@ -55,7 +55,7 @@ def code_files(use_git: bool) -> list[str]:
     else:
         paths = []
         for d, dirs, files in os.walk(ROOT):
-            dirs[:] = [x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS
+            dirs[:] = [x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS and not x.endswith(".egg-info")
                        and not (Path(d) / x / "pyvenv.cfg").exists()]
             paths += [os.path.relpath(os.path.join(d, f), ROOT) for f in files]
     keep = [p for p in paths if p.endswith(CODE_SUFFIXES) and not set(Path(p).parts[:-1]) & SKIP_DIRS]
