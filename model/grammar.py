@@ -142,7 +142,9 @@ def mask_rows(logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -
     bitmask = lt.allocate_token_bitmask(len(constrained), logits.shape[-1])
     for j, (_, c) in enumerate(constrained):
         c.fill(bitmask, j)
+    # the bits unpacked here, not by llguidance.torch's apply (a torch.compile'd kernel: seconds of
+    # compiling at a server's first constrained request, and again for new shapes)
+    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
+    allowed = ((bitmask[:, :, None] & bits) != 0).view(len(constrained), -1)[:, :logits.shape[-1]]
     rows = torch.tensor([r for r, _ in constrained], device=logits.device)
-    sub = logits[rows].float()
-    lt.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[rows] = sub.to(logits.dtype)
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

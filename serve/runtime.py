@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import time
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from model.chat import ReplyReader, ToolUse, cut_parts, render
 from model.chat_engine import sampling_params
 from model.engine import Engine
+from model.grammar import Grammars
 from model.requests import PromptLogprobs, SamplingParams, Token
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
@@ -359,6 +361,12 @@ class Runtime:
     def vocab_size(self) -> int:
         """Ids the model takes (its embedding rows; may exceed the tokenizer's)."""
         return self.link.info["vocab_size"]
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammars over this model's tokenizer, as its engine compiles them (the front end checks a
+        request's schema with it, so a bad one is a 400 naming its field)."""
+        return Grammars(self.tokenizer.to_str(), self.vocab_size, self.tokenizer.special["<|assistant_end|>"])
 
     def fewest_tokens(self, texts) -> int:
         """A floor on the ids `texts` encode to, without encoding them (see __post_init__)."""

@@ -101,11 +101,57 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# ---- structured outputs (serve/structured.py turns them into grammars) ----
+
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
+MAX_CHOICES = 256  # guided_choice's strings
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchema(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema", description="a JSON schema (none: any JSON object)")
+    strict: Optional[bool] = None
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
+class FlatJSONSchemaFormat(JSONSchema):
+    """The Responses API's json_schema format: the schema's fields beside `type`."""
+    type: Literal["json_schema"]
+
+
+TextFormatParam = Annotated[Union[TextFormat, JSONObjectFormat, FlatJSONSchemaFormat], Field(discriminator="type")]
+
+
+class ResponsesText(_Strict):
+    """The Responses API's `text`: its `format` (`verbosity` accepted only at its default)."""
+    format: Optional[TextFormatParam] = None
+    verbosity: Optional[Literal["medium"]] = None
+
+
+GuidedChoice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
 # parameter -> the value at which it does nothing (the only value accepted)
 NO_TOOLS = {"tools": [], "tool_choice": "none", "parallel_tool_calls": None}  # chat's and responses'
 UNSUPPORTED = {
     **NO_TOOLS, "functions": [],
-    "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
+    "function_call": "none", "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
 COMPLETIONS_UNSUPPORTED = {"best_of": 1, "suffix": None}
@@ -188,7 +234,7 @@ class ChatCompletionRequest(_Sampling, NoTools):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     functions: Optional[list] = _unsupported(UNSUPPORTED["functions"])
     function_call: Union[str, dict, None] = _unsupported(UNSUPPORTED["function_call"])
-    response_format: Optional[dict] = _unsupported(UNSUPPORTED["response_format"])
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     metadata: Optional[dict] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -214,6 +260,10 @@ class CompletionRequest(_Sampling):
     max_tokens: Optional[int] = Field(None, ge=0, description="0: no completion, only the prompt (with echo)")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    guided_regex: Optional[str] = Field(None, description="extension (vLLM's): the completion matches this regex")
+    guided_choice: Optional[GuidedChoice] = Field(None, description="extension (vLLM's): the completion is one of these")
+    guided_json: Optional[dict] = Field(None, description="extension (vLLM's): the completion is JSON valid "
+                                                          "against this schema")
     best_of: Optional[int] = _unsupported(COMPLETIONS_UNSUPPORTED["best_of"])
     suffix: Optional[str] = _unsupported(COMPLETIONS_UNSUPPORTED["suffix"])
 

@@ -25,6 +25,7 @@ from model.tokenizer import SparkTokenizer
 from .errors import APIError, engine_stopped, error_body
 from .runtime import Runtime, TextStream, merged
 from .sse import Last
+from .structured import format_grammar
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                       Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
 
@@ -68,6 +69,7 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     check_common(req, runtime)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
+    format_grammar(req.response_format, runtime, "response_format")  # a bad schema: a 400 before any work
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     try:
         check_length(runtime, runtime.fewest_tokens(content_text(m["content"]) for m in messages), "messages",
@@ -139,7 +141,9 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
 
 async def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs)) for i in range(req.n)]
+    grammar = format_grammar(req.response_format, runtime, "response_format")
+    jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs, grammar=grammar))
+            for i in range(req.n)]
     return await open_streams(runtime, jobs, req.stop_list())
 
 

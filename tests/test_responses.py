@@ -105,7 +105,7 @@ def test_the_sse_frames_name_their_event(client):
 @pytest.mark.parametrize("kw, param", [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ({"extra_body": {"foo": 1}}, "foo"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 2.5}, "temperature"),

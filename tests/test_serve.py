@@ -170,7 +170,8 @@ def test_n2_and_seeds(client):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
     ({"temperature": 3}, "temperature"),
     ({"n": 0}, "n"),
     ({"seed": 2**70}, "seed"),
