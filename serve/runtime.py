@@ -372,9 +372,10 @@ class Runtime:
         """A floor on the ids `texts` encode to, without encoding them (see __post_init__)."""
         return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_token_bytes
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Prompt ids for `messages`, by the training renderer. Raises model.chat.ChatFormatError."""
-        ids, _ = render(self.tokenizer, messages, for_completion=True)
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for `messages` (and `tools`' definitions), by the training renderer. Raises
+        model.chat.ChatFormatError."""
+        ids, _ = render(self.tokenizer, messages, for_completion=True, tools=tools)
         return ids
 
     def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None,
