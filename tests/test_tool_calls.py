@@ -114,3 +114,34 @@ def test_langchain_bind_tools_two_step_loop(server):
     messages += [ai, ToolMessage(str(add.invoke(ai.tool_calls[0]["args"])), tool_call_id=ai.tool_calls[0]["id"])]
     final = llm.bind_tools([add], tool_choice="none").invoke(messages)
     assert not final.tool_calls and isinstance(final.content, str) and final.content
+
+
+# ---- the synthetic tool-use task and its score ----
+
+def test_the_tool_task_is_seeded_and_its_conversations_render(serve_tokenizer):
+    from model.chat import render
+    from pipeline import tool_tasks
+    items = tool_tasks.generate(200, 7)
+    assert items == tool_tasks.generate(200, 7)
+    calls = [it for it in items if it["call"]]
+    assert 0.4 < len(calls) / len(items) < 0.8 and all(it["call"]["name"] in {t["name"] for t in it["tools"]}
+                                                       for it in calls)
+    s = serve_tokenizer.special
+    conv = tool_tasks.conversation(calls[0])
+    ids, mask = render(serve_tokenizer, conv["messages"], tools=conv["tools"])
+    learned = [i for i, m in zip(ids, mask) if m]
+    assert s["<|call_start|>"] in learned and s["<|result_start|>"] not in learned  # the call is learned, its result given
+    assert s["<|tools_start|>"] in ids
+
+
+def test_the_tool_score_counts_right_calls_and_calls_where_none_fits():
+    from model.tools import call_text
+    from pipeline import tool_tasks
+    items = tool_tasks.generate_eval(40, 3)
+    assert len({tool_tasks.key(it) for it in items}) == 40
+    gold = [[call_text(it["call"]["name"], it["call"]["arguments"])] if it["call"] else [] for it in items]
+    assert tool_tasks.score(items, gold) == {"tool_call": 1.0, "tool_none": 1.0}
+    wrong_args = [[call_text(it["call"]["name"], {})] if it["call"] else [] for it in items]
+    always = [[call_text(it["tools"][0]["name"], {})] for it in items]
+    assert tool_tasks.score(items, wrong_args)["tool_call"] == 0.0
+    assert tool_tasks.score(items, always)["tool_none"] == 0.0
