@@ -11,6 +11,8 @@ model.chat_engine as the server builds it. Each round runs, back to back and sub
     without a grammar).
 
 Per case, the unconstrained 16 rows' tokens/s (their tokens over the time until the last of them ended).
+Then, less exposed to a shared machine's swings (`mask_share`): one constrained row's mask a token against
+a 17-row decode forward, each timed back to back in the same round.
 Reported: each case's median (min-max) over --rounds rounds, and per round the ratios mixed / plain16
 (what the issue asks: within 5%) and mixed / plain17 (the grammar's own cost).
 
@@ -66,6 +68,44 @@ def run(engine, jobs) -> float:
     return sum(counts[i] for i in plain) / (max(ends[i] for i in plain) - t0)
 
 
+def mask_share(engine, tok, rounds: int, steps: int = 100) -> dict:
+    """Per round: the host time of one constrained row's mask a token (model.grammar.mask_rows, then the
+    token accepted, along a valid walk of ARRAY) over the time of one 17-row decode forward (cache at 60
+    tokens), each the median of `steps` calls, back to back; their ratio is what a constrained row adds
+    to a CPU step, measured without other rows' timing in it."""
+    import statistics
+
+    from model.gpt import KVCache
+    from model.grammar import json_grammar, mask_rows
+    model = engine.model
+    walk = tok.encode("[" + ",".join(str(i % 10) for i in range(60)) + "]")[:steps]
+    x = torch.zeros((17, 1), dtype=torch.long)
+    shares, mask_us, step_us = [], [], []
+    with torch.inference_mode():
+        for _ in range(rounds):
+            c = engine.grammars(json_grammar(ARRAY))
+            logits = torch.randn(17, model.config.vocab_size)
+            times = []
+            for i in walk:
+                t = time.perf_counter()
+                mask_rows(logits, [(16, c)])
+                c.accept(i)
+                times.append(time.perf_counter() - t)
+            cache = KVCache(model.config, 17, 128, "cpu", torch.float32)
+            cache.lengths.fill_(60)
+            fwd = []
+            for _ in range(len(walk)):
+                t = time.perf_counter()
+                model(x, kv_cache=cache.view(0, 17), kv_len=61)
+                fwd.append(time.perf_counter() - t)
+                cache.lengths.fill_(60)
+            m, f = statistics.median(times), statistics.median(fwd)
+            mask_us.append(m * 1e6)
+            step_us.append(f * 1e6)
+            shares.append(m / f)
+    return {"mask_us": spread(mask_us), "forward17_us": spread(step_us), "mask_over_forward": spread(shares)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -88,13 +128,16 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, jobs in cases.items():
             rates[name].append(run(engine, jobs))
+    share = mask_share(engine, tok, args.rounds)
     engine.shutdown()
-    res = {"device": args.device, "new_tokens": args.new, "rounds": args.rounds, "schema": ARRAY,
+    res = {"mask_share": share, "device": args.device, "new_tokens": args.new, "rounds": args.rounds, "schema": ARRAY,
            "unconstrained_tokens_per_s": {k: spread(v) for k, v in rates.items()},
            "mixed_vs_plain16": spread(ratios(rates["mixed"], rates["plain16"])),
            "mixed_vs_plain17": spread(ratios(rates["mixed"], rates["plain17"]))}
     for k, v in res["unconstrained_tokens_per_s"].items():
         print(f"{k:8s} the 16 unconstrained rows: {fmt(v, ',.0f', ' tok/s')}")
+    print(f"one row's mask a token {fmt(share['mask_us'], '.1f', ' us')}, a 17-row forward "
+          f"{fmt(share['forward17_us'], ',.0f', ' us')}: {fmt(share['mask_over_forward'], '.4f')} of it")
     print(f"mixed / plain16 {fmt(res['mixed_vs_plain16'], '.3f')}   mixed / plain17 {fmt(res['mixed_vs_plain17'], '.3f')}")
     save_json(res, args.out)
     print(json.dumps(res["mixed_vs_plain16"]))
