@@ -23,6 +23,7 @@ import json
 
 import llguidance
 import llguidance.torch as lt
+import numpy as np
 import torch
 
 MAX_SCHEMA_CHARS = 16384
@@ -139,12 +140,14 @@ def mask_rows(logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -
     """Set to -inf, in place, the logits (B, V) of every id that each (row, constraint) forbids next."""
     if not constrained:
         return
-    bitmask = lt.allocate_token_bitmask(len(constrained), logits.shape[-1])
+    V = logits.shape[-1]
+    bitmask = torch.full((len(constrained), (V + 31) // 32), -1, dtype=torch.int32)
     for j, (_, c) in enumerate(constrained):
         c.fill(bitmask, j)
-    # the bits unpacked here, not by llguidance.torch's apply (a torch.compile'd kernel: seconds of
-    # compiling at a server's first constrained request, and again for new shapes)
-    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
-    allowed = ((bitmask[:, :, None] & bits) != 0).view(len(constrained), -1)[:, :logits.shape[-1]]
-    rows = torch.tensor([r for r, _ in constrained], device=logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    # bit i of word w is id 32 w + i: as bytes of a little-endian int32, bits in little order. Unpacked
+    # here, not by llguidance.torch's apply (a torch.compile'd kernel: seconds of compiling at a server's
+    # first constrained request, and again for new shapes)
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+    forbidden = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
+    for j, (row, _) in enumerate(constrained):
+        logits[row].masked_fill_(forbidden[j], float("-inf"))
