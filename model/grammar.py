@@ -79,7 +79,10 @@ def choice_grammar(choices: list[str]) -> str:
 def tool_call_grammar(call_start: int, call_end: int, functions: list[tuple[str, dict]], many: bool) -> str:
     """Calls (one, or `many`: one or more) of these (name, parameters schema) functions, each
     call_start {"name": ..., "arguments": {...}} call_end: the form model.tools renders a call in."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+    # arguments hold only the declared parameters unless a schema says otherwise (JSON Schema's default
+    # admits any other key, and a model that wrote one would never be done)
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"additionalProperties": False,
+                                                                                      **params}},
               "required": ["name", "arguments"], "additionalProperties": False} for name, params in functions]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     body = check_schema({**schema, "x-guidance": {**JSON_STYLE, "lenient": True}}, "tools")

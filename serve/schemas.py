@@ -97,8 +97,8 @@ class ToolCall(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer: the system prompt, as OpenAI's newer models name it; tool: a function's result")
-    content: Union[str, list[TextPart], None] = Field(None, description="null only in an assistant message "
-                                                                          "with tool_calls")
+    content: Union[str, list[TextPart], None] = Field(None, description="null or absent only in an assistant "
+                                                                          "message with tool_calls")
     sparkchat_parts: Optional[list[ReplyPart]] = Field(
         None, description="extension, assistant messages only: the reply as the server returned it")
     name: Optional[str] = Field(None, description="accepted and ignored")
