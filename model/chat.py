@@ -6,8 +6,10 @@ One renderer for training and inference, so the server prompts the model exactly
     <|user_start|> ... <|user_end|> <|assistant_start|> ... <|assistant_end|> ...
 
 Assistant content is a string or a list of parts: {"type": "text"}, {"type": "python"} (a calculator
-call, rendered between python_start/end) and {"type": "python_output"} (the tool's answer, rendered
-between output_start/end). The mask is 1 on what the model must learn to produce: assistant text, tool
+call, rendered between python_start/end), {"type": "python_output"} (the tool's answer, rendered
+between output_start/end) and {"type": "call"} (a call of a client's function, between call_start/end).
+A `tool` message is a function's result (between result_start/end, after the turn that called it), and
+`tools` (function definitions) render after the system prompt: model/tools.py shows the whole form. The mask is 1 on what the model must learn to produce: assistant text, tool
 calls and the closing <|assistant_end|>; 0 on prompts and tool outputs (the engine supplies those).
 
 A generated reply has the same structure, and this file is also its one home (`ReplyReader`): the
@@ -23,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .tokenizer import SparkTokenizer, StreamDecoder
+from .tools import has_tools, tools_text
 
-ROLES = ("system", "user", "assistant")
-PART_TYPES = ("text", "python", "python_output")
+ROLES = ("system", "user", "assistant", "tool")
+PART_TYPES = ("text", "python", "python_output", "call")
 # a reply ends at either (model/chat_engine.py stops the engine there; the engine does not emit them)
 STOP_TOKENS = ("<|assistant_end|>", "<|bos|>")
 
@@ -68,11 +71,16 @@ def validate(messages: list[dict]) -> None:
             raise ChatFormatError(f"messages[{i}]: a system message may only come first")
 
 
-def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = False):
-    """Returns (ids, mask). With for_completion, the conversation must end with a user message and
-    the ids end with <|assistant_start|>, ready for generation."""
+def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = False, tools: list[dict] | None = None):
+    """Returns (ids, mask). With for_completion, the conversation must end with a user or tool message and
+    the ids end with <|assistant_start|>, ready for generation. `tools`: function definitions ({"name",
+    "parameters"}), shown to the model after the system prompt."""
     validate(messages)
     s = tok.special
+    uses_tools = tools or any(m["role"] == "tool" for m in messages) or any(
+        p["type"] == "call" for m in messages if m["role"] == "assistant" for p in content_parts(m["content"]))
+    if uses_tools and not has_tools(tok):
+        raise ChatFormatError("this model was not trained for function calling (its tokenizer has no tool tokens)")
     if messages[0]["role"] == "system" and "<|system_start|>" not in s:
         if len(messages) < 2 or messages[1]["role"] != "user":
             raise ChatFormatError("this model has no system tokens: a system message must be followed by a user "
@@ -86,13 +94,22 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
         ids.extend(tokens)
         mask.extend([m] * len(tokens))
 
+    def add_tools():
+        add([s["<|tools_start|>"]] + tok.encode(tools_text(tools)) + [s["<|tools_end|>"]], 0)
+
+    if tools and messages[0]["role"] != "system":
+        add_tools()
     for m in messages:
         role, parts = m["role"], content_parts(m["content"])
-        if role in ("system", "user"):
+        if role == "tool":
+            add([s["<|result_start|>"]] + tok.encode(content_text(parts)) + [s["<|result_end|>"]], 0)
+        elif role in ("system", "user"):
             text = "".join(p["text"] for p in parts if p["type"] == "text")
             add([s[f"<|{role}_start|>"]], 0)
             add(tok.encode(text), 0)
             add([s[f"<|{role}_end|>"]], 0)
+            if role == "system" and tools:
+                add_tools()
         else:
             add([s["<|assistant_start|>"]], 0)
             for p in parts:
@@ -100,12 +117,14 @@ def render(tok: SparkTokenizer, messages: list[dict], for_completion: bool = Fal
                     add(tok.encode(p["text"]), 1)
                 elif p["type"] == "python":
                     add([s["<|python_start|>"]] + tok.encode(p["text"]) + [s["<|python_end|>"]], 1)
+                elif p["type"] == "call":
+                    add([s["<|call_start|>"]] + tok.encode(p["text"]) + [s["<|call_end|>"]], 1)
                 else:
                     add([s["<|output_start|>"]] + tok.encode(p["text"]) + [s["<|output_end|>"]], 0)
             add([s["<|assistant_end|>"]], 1)
     if for_completion:
-        if messages[-1]["role"] != "user":
-            raise ChatFormatError("the last message must come from the user")
+        if messages[-1]["role"] not in ("user", "tool"):
+            raise ChatFormatError("the last message must come from the user (or be a tool's result)")
         add([s["<|assistant_start|>"]], 0)
     return ids, mask
 
@@ -115,7 +134,8 @@ def history_budget(context: int, max_tokens: int) -> int:
     return context - min(max_tokens, context // 2)
 
 
-def fit_history(tok, messages: list[dict], budget: int) -> tuple[list[int], list[dict], int]:
+def fit_history(tok, messages: list[dict], budget: int, tools: list[dict] | None = None
+                ) -> tuple[list[int], list[dict], int]:
     """The prompt ids of `messages`, dropping the oldest exchanges (never the system prompt, never the
     last message) until they fit `budget` ids: (ids, the messages kept, how many were dropped). A cut
     in the middle of the ids would lose <|bos|> and the system prompt and start mid-turn."""
@@ -123,7 +143,7 @@ def fit_history(tok, messages: list[dict], budget: int) -> tuple[list[int], list
     turns = messages[len(head):]
     dropped = 0
     while True:
-        ids, _ = render(tok, head + turns, for_completion=True)
+        ids, _ = render(tok, head + turns, for_completion=True, tools=tools)
         if len(ids) <= budget or len(turns) <= 1:
             return ids, head + turns, dropped
         cut = 2 if len(turns) > 2 and turns[1]["role"] == "assistant" else 1  # a user turn and its reply
@@ -181,6 +201,9 @@ class ReplyReader:
         s = tok.special
         self._opens = {s["<|python_start|>"]: "python", s["<|output_start|>"]: "python_output"}
         self._closes = {s["<|python_end|>"], s["<|output_end|>"]}
+        if has_tools(tok):
+            self._opens[s["<|call_start|>"]] = "call"
+            self._closes.add(s["<|call_end|>"])
         self._special = set(s.values())
         self.parts: list[dict] = []
         self.tool_uses: list[ToolUse] = []
@@ -257,7 +280,7 @@ class ReplyReader:
         self.parts.append({"type": kind, "text": text})
         if kind == "python":
             self._call = text
-        elif self._call is not None:
+        elif kind == "python_output" and self._call is not None:
             self._use(out, ToolUse(self._call, text))
 
     def _settle(self, out: list) -> None:

@@ -13,12 +13,14 @@ import threading
 from .calculator import calculator_tool
 from .chat import STOP_TOKENS
 from .engine import Engine, EngineConfig
+from .grammar import Grammars
 from .requests import Finished, SamplingParams, Token
 from .tokenizer import SparkTokenizer
 
 
 def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engine:
-    """A started Engine over `model` with the chat stop ids, and the calculator tool when `gen["tool_use"]`.
+    """A started Engine over `model` with the chat stop ids, grammars over `tok` (structured outputs and
+    tool calls end at <|assistant_end|>), and the calculator tool when `gen["tool_use"]`.
 
     `engine_options` are the other EngineConfig fields the caller decides (max_batch, max_queue, ...).
     """
@@ -28,7 +30,8 @@ def chat_engine(model, tok: SparkTokenizer, gen: dict, **engine_options) -> Engi
                        tool_start=s["<|python_start|>"] if tool_use else None,
                        tool_end=s["<|python_end|>"] if tool_use else None,
                        **engine_options)
-    return Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None).start()
+    grammars = Grammars(tok.to_str(), model.config.vocab_size, s["<|assistant_end|>"])
+    return Engine(model, cfg, tool=calculator_tool(tok) if tool_use else None, grammars=grammars).start()
 
 
 def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], progress=None

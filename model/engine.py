@@ -26,6 +26,12 @@ stream. The extras' per-row buffers move with their row; a step whose rows ask f
 plain sampler (its own CUDA graphs), so they cost such rows nothing. A prompt's logprobs
 (`prompt_logprobs`) come from its prefill.
 
+Grammars. A request whose params carry a `grammar` gets a `model.grammar.Constraint` from the engine's
+`grammars` callback at submit; before each of its tokens the ids the grammar forbids are masked out of its
+row's logits on the host's say (`mask_rows`), and the token it takes advances it. A step with such a row
+runs without a CUDA graph and is not run ahead (its mask needs the previous token); steps without one are
+unchanged.
+
 Tools. If the model emits `tool_start ... tool_end` (the calculator call), the engine passes the ids in
 between to the `tool` callback and force-feeds the ids it returns (e.g. <|output_start|> 4
 <|output_end|>) before sampling again; the engine never sees the expression as text.
@@ -43,6 +49,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, LaunchedStep
 from .gpt import KVCache
+from .grammar import Constraint, mask_rows
 from .requests import (MAX_BATCH, MAX_QUEUE, EngineStopped, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Sink,
                        Token, Tool)
 from .sampling import IDLE, ExtrasBuffers, Uniforms, logprob_info, sample_rows, settings_row, top_alternatives
@@ -70,6 +77,7 @@ class Request:
         self.last = -1  # the id to feed at the next decode step
         self.forced: collections.deque[int] = collections.deque()
         self.tool_buf: list[int] | None = None  # ids of a tool call being written
+        self.constraint: Constraint | None = None  # the grammar its reply must follow (params.grammar)
         self.prompt_lp: PromptLogprobs | None = PromptLogprobs([], []) if params.prompt_logprobs is not None else None
         self.cancelled = False
         self.done = False
@@ -116,10 +124,12 @@ class Engine:
     building one turns cuDNN's SDPA kernel off for the whole process (why: in `__init__`), and one with
     graphs raises dynamo's recompile limit for the process (why: in `DecodeGraphs.__init__`)."""
 
-    def __init__(self, model, config: EngineConfig, tool: Tool | None = None):
+    def __init__(self, model, config: EngineConfig, tool: Tool | None = None,
+                 grammars: Callable[[str], Constraint] | None = None):
         self.model = model
         self.config = config
         self.tool = tool if config.tool_start is not None and config.tool_end is not None else None
+        self.grammars = grammars  # grammar -> Constraint (model.grammar.Grammars); None: grammars refused
         p = next(model.parameters())
         self.device = p.device
         self.max_len = min(config.max_len or model.config.seq_len, getattr(model, "rope_len", 1 << 30))
@@ -188,6 +198,10 @@ class Engine:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens but the model's context is "
                                 f"{self.max_len} tokens (at least one must be left for the reply)")
         req = Request(prompt, params, sink, min(params.max_tokens, room))
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine takes no grammars")
+            req.constraint = self.grammars(params.grammar)  # a GrammarError is a ValueError: refused
         with self._cv:
             if not self._running:
                 raise EngineStopped("the engine is not running")
@@ -427,7 +441,7 @@ class Engine:
         them prefilling or fed by a tool, and no waiting request is about to take a free row. A row
         that `step` finishes computes one wasted token in the next step, which is dropped."""
         return (self.run_ahead and self.active == step.reqs
-                and not any(r.prefilling or r.forced or r.cancelled for r in self.active)
+                and not any(r.prefilling or r.forced or r.cancelled or r.constraint for r in self.active)
                 and not (self.waiting and len(self.active) < self.config.max_batch))
 
     def _launch(self, ids: "list[int] | torch.Tensor") -> "LaunchedStep":
@@ -439,11 +453,13 @@ class Engine:
         kv_len = max(self.lens[:n]) + 1
         settings = [IDLE if r.prefilling else r.settings() for r in reqs]  # IDLE draws no random number
         extras = any(r.params.extras and not r.prefilling for r in reqs)
-        if self.graphs is not None:  # the forward and the sampling in one graph replay
+        constrained = [(row, r.constraint) for row, r in enumerate(reqs) if r.constraint and not r.prefilling]
+        if self.graphs is not None and not constrained:  # the forward and the sampling in one graph replay
             sampled, info = self.graphs.step(ids, settings, kv_len, extras)
         else:
             x = (ids if torch.is_tensor(ids) else torch.tensor(ids, dtype=torch.long, device=self.device)).view(n, 1)
             logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]
+            mask_rows(logits, constrained)
             sampled, info = sample_rows(logits, settings, self.extras_buffers if extras else None, slice(0, n), x[:, 0])
         self.steps += 1
         for row, req in enumerate(reqs):
@@ -466,6 +482,7 @@ class Engine:
         """Pick each row's next id (forced, or sampled from its logits, of cache rows `rows`, unless
         given with their `info`) and emit it."""
         if sampled is None:
+            mask_rows(logits, [(i, r.constraint) for i, r in enumerate(reqs) if r.constraint])
             extras = any(r.params.extras for r in reqs)
             ids, info = sample_rows(logits, [r.settings() for r in reqs], self.extras_buffers if extras else None, rows)
             sampled, info = ids.tolist(), None if info is None else info.tolist()
@@ -480,6 +497,9 @@ class Engine:
                 tok = req.forced.popleft()
             elif tok in self.stop_ids:
                 self._finish(req, "stop")
+                continue
+            if req.constraint is not None and not forced and not req.constraint.accept(tok):
+                self._finish(req, "error", f"the grammar refused token {tok}: {req.constraint.error}")
                 continue
             req.last = tok
             req.generated += 1

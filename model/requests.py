@@ -60,6 +60,8 @@ class SamplingParams:
     """Report each generated id's logprob and this many likeliest alternatives; None: none."""
     prompt_logprobs: int | None = None
     """The same for each prompt id after the first (scoring a text); None: none."""
+    grammar: str | None = None
+    """Constrain the reply to this grammar (model.grammar: a JSON schema's, a tool call's); None: none."""
 
     def __post_init__(self):
         if not (self.temperature >= 0):
@@ -80,6 +82,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {i!r}")
             if not (-MAX_BIAS <= b <= MAX_BIAS):
                 raise ValueError(f"logit_bias values must be in [-{MAX_BIAS}, {MAX_BIAS}], got {b} for {i}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a string, got {type(self.grammar).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and not (0 <= n <= MAX_LOGPROBS):

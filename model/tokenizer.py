@@ -19,10 +19,15 @@ SPECIAL_TOKENS = [
     "<|assistant_start|>", "<|assistant_end|>",
     "<|python_start|>", "<|python_end|>",  # assistant calls the calculator tool
     "<|output_start|>", "<|output_end|>",  # tool result, fed back by the engine
+    # function calling (model/tools.py): the client's tool definitions, a call the model makes, its result
+    "<|tools_start|>", "<|tools_end|>", "<|call_start|>", "<|call_end|>", "<|result_start|>", "<|result_end|>",
 ]
 # nanochat's tokenizer, and so a published NanoChat checkpoint (model/hf.py), has every token above but
 # these two: model/chat.py then puts a system prompt before the first user message, as nanochat does
 SYSTEM_TOKENS = ("<|system_start|>", "<|system_end|>")
+# a tokenizer trained before function calling (and nanochat's) lacks these: its model then takes no tools
+TOOL_TOKENS = ("<|tools_start|>", "<|tools_end|>", "<|call_start|>", "<|call_end|>", "<|result_start|>",
+               "<|result_end|>")
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -46,7 +51,9 @@ class SparkTokenizer:
     def __init__(self, tok: Tokenizer):
         self._tok = tok
         missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
-        if missing and missing != list(SYSTEM_TOKENS):
+        optional = [group for group in (SYSTEM_TOKENS, TOOL_TOKENS) if set(group) & set(missing)]
+        if [t for t in missing if not any(t in group for group in optional)] or \
+                any(not set(group) <= set(missing) for group in optional):
             raise ValueError(f"tokenizer lacks special tokens {missing}")
         self.special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS if t not in missing}
         self.bos_id = self.special["<|bos|>"]

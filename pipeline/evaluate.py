@@ -7,6 +7,9 @@ itself, and its files are verified before any scoring starts).
   greedy, with the calculator tool if the model's generation.json allows it: arithmetic, word problems
   (the number after '####' or the last number), letter counting, spelling (exact answer), chance ~0;
   multiple choice (largest of four numbers): the letter with the highest logit, chance 25%;
+- tool use (pipeline/tool_tasks.py), for a model whose tokenizer has the tool tokens: each held-out prompt
+  with two made-up functions, greedy; `tool_call`: of the items where one fits, the share whose reply calls
+  it with valid, right arguments; `tool_none`: of the items where none fits, the share with no call;
 - the field's benchmarks (`evaluate.benchmarks`, pipeline/benchmarks.py: ARC-Easy/Challenge, MMLU,
   HellaSwag, LAMBADA, GSM8K) read through `datasets`. The base and midtrained models are scored by
   log-likelihood as nanochat's CORE scores a base model (the choice with the highest log-likelihood per
@@ -28,13 +31,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from model.chat import render
+from model.chat import read_reply, render
 from model.chat_engine import chat_engine, run_all
 from model.engine import Engine
 from model.requests import SamplingParams
 from model.loss_eval import evaluate_bpb, token_bytes
 from model.model_dir import ModelDirError, load_model_dir
 from model.scoring import score_continuations
+from model.tools import has_tools
 
 from sparkchat import paths
 
@@ -43,7 +47,10 @@ from .config import Params, load_params, resolve_source
 from .data import TokenStream, open_tokens
 from .metrics import VAL_BPB, atomic_write_text, write_reports
 from .runtime import resolve_device
+from . import tool_tasks
 from .tasks import GENERATIVE, MULTIPLE_CHOICE, is_correct, reply_text
+
+TOOL_USE = ("tool_call", "tool_none")  # tool_tasks.score's keys: right call when one fits, no call when none does
 
 CHAT_MODELS = ("sft", "rl")  # scored on the benchmarks by generation; the others by log-likelihood
 
@@ -57,6 +64,19 @@ def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, de
 
 
 @torch.no_grad()
+def tool_use_scores(engine: Engine, tok, items: list[dict], max_new: int, name: str) -> dict[str, float]:
+    """The tool-use task (pipeline/tool_tasks.py) on held-out items, greedy: each prompt rendered with its
+    two functions; `tool_call` and `tool_none` from the calls each reply made."""
+    prompts = [render(tok, [{"role": "user", "content": it["prompt"]}], for_completion=True, tools=it["tools"])[0]
+               for it in items]
+    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    with tqdm(total=len(prompts), desc=f"{name}/tool_use", file=sys.stderr, mininterval=2.0, leave=False) as bar:
+        done = run_all(engine, [(ids, params) for ids in prompts], bar)
+    calls = [[p["text"] for p in read_reply(tok, [t.id for t in tokens]).parts if p["type"] == "call"]
+             for tokens, _ in done]
+    return tool_tasks.score(items, calls)
+
+
 def multiple_choice(model, tok, items: list[dict], device) -> float:
     correct = 0
     for it in items:
@@ -178,6 +198,9 @@ def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Bench
             scores[task] = round(sum(is_correct(task, r, it["answer"]) for r, it in zip(replies, items)) / len(items), 4)
         for task in MULTIPLE_CHOICE:
             scores[task] = round(multiple_choice(model, tok, load_eval_items(task, p.evaluate.max_items), device), 4)
+        if has_tools(tok):  # a model whose tokenizer predates the tool tokens takes no tools
+            scores.update(tool_use_scores(engine, tok, load_eval_items("tool_use", p.evaluate.max_items),
+                                          p.evaluate.max_new_tokens, name))
         scores.update(benchmark_scores(name, model, tok, engine, benches, p.evaluate.max_new_tokens))
     finally:
         engine.shutdown()
@@ -197,7 +220,7 @@ def reports(name: str, scores: dict, benches: list[Benchmark]) -> tuple[dict, di
     chance = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}, **{b.name: round(b.chance, 4) for b in benches}}
     bench_scores = {b.name: scores[b.name] for b in benches if b.name in scores}
     c = centered(scores, chance, benches, chat)
-    headline = {t: scores[t] for t in (*GENERATIVE, *MULTIPLE_CHOICE)}
+    headline = {t: scores[t] for t in (*GENERATIVE, *MULTIPLE_CHOICE, *TOOL_USE) if t in scores}
     headline[VAL_BPB["pretrain"]] = scores["val_bpb"]  # the same held-out text as pretrain's figure
     mean = "chatcore" if chat else "core"
     if mean in c:  # one column in `dvc metrics show` for both: the row says which model, details.json which mean

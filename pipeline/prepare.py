@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from model.no_room import NoRoomError, no_room_errno, no_room_error
+from . import synthetic, tool_tasks
 from sparkchat import paths
 
 from . import synthetic
@@ -202,6 +203,10 @@ def outputs(out: Path) -> list[Path]:
                                                        paths.CHAT_VAL, paths.EVAL_ITEMS)]
 
 
+# the tool-use conversations (pipeline/tool_tasks.py) are this part of `data.synthetic_train` in number, beside it
+TOOL_USE_PART = 6
+
+
 def prepare(p: Params, out: Path = paths.DATA, shard_chars: int = SHARD_CHARS, group_chars: int = ROW_GROUP_CHARS) -> dict:
     """Writes the data under `out`; returns what it read (the stage's details report). A write that fails
     for want of room (a full disk, a quota, `ulimit -f`: pyarrow's and datasets' writers raise the OSError)
@@ -234,6 +239,9 @@ def _prepare(p: Params, out: Path, shard_chars: int, group_chars: int) -> dict:
     # -- held-out eval items first, so training data can be filtered against them
     evals = synthetic.generate_eval(d.synthetic_eval, d.seed + 1)
     held_out = {synthetic.normalize_prompt(it["prompt"]) for items in evals.values() for it in items}
+    # the tool-use task's held-out items: from a seed of their own, as the other tasks'
+    evals["tool_use"] = tool_tasks.generate_eval(d.synthetic_eval, d.seed + 3)
+    held_out_tools = {tool_tasks.key(it) for it in evals["tool_use"]}
     (out / "eval").mkdir(exist_ok=True)
     for task, items in evals.items():
         with open(out / "eval" / f"{task}.jsonl", "w") as f:
@@ -246,6 +254,8 @@ def _prepare(p: Params, out: Path, shard_chars: int, group_chars: int) -> dict:
         if src == "builtin:synthetic":
             items = synthetic.dedupe_against(synthetic.generate_train(d.synthetic_train, d.seed), held_out)
             convs.extend(synthetic.conversations(items, d.synthetic_multi_turn, d.seed))
+            tools = tool_tasks.generate(d.synthetic_train // TOOL_USE_PART, d.seed + 2)
+            convs.extend(tool_tasks.conversation(it) for it in tools if tool_tasks.key(it) not in held_out_tools)
         else:
             for msgs in iter_conversations(src, d.hub_split, d.max_docs_per_source):
                 first_user = next((m["content"] for m in msgs if m["role"] == "user"), "")

@@ -141,9 +141,17 @@ def _init_worker(tok: SparkTokenizer) -> None:
     _worker_tok = tok
 
 
+def render_conversation(tok: SparkTokenizer, conversation) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation as stored: a list of messages, or {"messages", "tools"}
+    (pipeline/tool_tasks.py)."""
+    if isinstance(conversation, dict):
+        return render(tok, conversation["messages"], tools=conversation.get("tools"))
+    return render(tok, conversation)
+
+
 def _render_batch(messages: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON conversations -> (ids, loss mask, lengths), rendered by model/chat.py."""
-    rendered = [render(_worker_tok, json.loads(m)) for m in messages]
+    rendered = [render_conversation(_worker_tok, json.loads(m)) for m in messages]
     return (np.fromiter(itertools.chain.from_iterable(r[0] for r in rendered), token_dtype(_worker_tok.vocab_size)),
             np.fromiter(itertools.chain.from_iterable(r[1] for r in rendered), np.uint8),
             np.fromiter((len(r[0]) for r in rendered), np.int64, count=len(rendered)))

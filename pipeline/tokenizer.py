@@ -10,6 +10,7 @@ from typing import Iterator
 
 
 from model.chat import content_text
+from model.tools import tools_text
 from model.tokenizer import SparkTokenizer
 
 from sparkchat import paths
@@ -33,8 +34,16 @@ def training_text(data: Path, max_chars: int) -> Iterator[str]:
         for m in batch.column("messages").to_pylist():
             if budget_chat <= 0:
                 return
-            for turn in json.loads(m):
-                text = content_text(turn["content"]) if turn["content"] else ""
+            conv = json.loads(m)
+            if isinstance(conv, dict):  # a tool-use conversation (pipeline/tool_tasks.py): its signatures and calls
+                texts = [tools_text(conv["tools"])] + [p["text"] for turn in conv["messages"]
+                                                       if isinstance(turn["content"], list)
+                                                       for p in turn["content"] if p["type"] == "call"]
+                conv = conv["messages"]
+            else:
+                texts = []
+            texts += [content_text(turn["content"]) if turn["content"] else "" for turn in conv]
+            for text in texts:
                 budget_chat -= len(text)
                 yield text
 

@@ -21,6 +21,7 @@ from fastapi import Request
 from model.requests import Token
 
 from . import serving
+from .structured import guided_grammar
 from .errors import APIError
 from .runtime import Runtime, TextStream
 from .sse import Last
@@ -37,6 +38,7 @@ class Prompt:
 def check(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
     """Everything a schema cannot say; returns the prompts."""
     serving.check_common(req, runtime)
+    guided_grammar(req, runtime)  # a bad one: a 400 before any work
     tok, out, room = runtime.tokenizer, [], 0 if req.max_tokens == 0 else 1
     for k, p in enumerate(req.prompts()):
         fewest = 1 + runtime.fewest_tokens([p]) if isinstance(p, str) else 0
@@ -63,7 +65,9 @@ def check(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
 
 async def _streams(req: CompletionRequest, runtime: Runtime, prompts: list[Prompt]) -> list[TextStream]:
     scored = req.logprobs if req.echo else None  # the prompt's logprobs only when they are shown
-    jobs = [(p.ids, serving.sampling(req, runtime, j, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=scored))
+    grammar = guided_grammar(req, runtime)
+    jobs = [(p.ids, serving.sampling(req, runtime, j, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=scored,
+                                     grammar=grammar))
             for p in prompts for j in range(req.n)]
     return await serving.open_streams(runtime, jobs, req.stop_list(), "prompt", chat=False)
 

@@ -36,11 +36,12 @@ from . import serving
 from .errors import APIError
 from .runtime import Runtime, TextStream
 from .sse import Last
-from .schemas import NO_TOOLS, NoTools, _Strict, _unsupported
+from .schemas import NO_TOOLS, NoTools, ResponsesText, _Strict, _unsupported
+from .structured import format_grammar
 
 # parameter -> the value at which it does nothing (the only value accepted; schemas.py's rule)
 NOOPS = {**NO_TOOLS, "previous_response_id": None,
-         "conversation": None, "background": False, "reasoning": None, "text": {"format": {"type": "text"}},
+         "conversation": None, "background": False, "reasoning": None,
          "include": [], "top_logprobs": 0, "max_tool_calls": None, "prompt": None, "truncation": "disabled"}
 
 
@@ -88,7 +89,7 @@ class ResponsesRequest(NoTools):
     conversation: Union[str, dict, None] = _unsupported(NOOPS["conversation"])
     background: Optional[bool] = _unsupported(NOOPS["background"])
     reasoning: Optional[dict] = _unsupported(NOOPS["reasoning"])
-    text: Optional[dict] = _unsupported(NOOPS["text"])
+    text: Optional[ResponsesText] = Field(None, description="format: text, json_object or json_schema")
     include: Optional[list] = _unsupported(NOOPS["include"])
     top_logprobs: Optional[int] = _unsupported(NOOPS["top_logprobs"])
     max_tool_calls: Optional[int] = _unsupported(NOOPS["max_tool_calls"])
@@ -179,6 +180,7 @@ class ResponseObject(BaseModel):
 def check(req: ResponsesRequest, runtime: Runtime) -> list[int]:
     """Everything the schema cannot say; returns the prompt ids."""
     serving.check_supported(req, runtime)
+    format_grammar(req.text and req.text.format, runtime, "text.format")  # a bad schema: a 400 before any work
     messages = req.messages()
     serving.check_length(runtime, runtime.fewest_tokens(m["content"] for m in messages), "input", "at least ")
     try:
@@ -194,7 +196,8 @@ class _Run:
 
     def __init__(self, req: ResponsesRequest, runtime: Runtime, prompt: list[int]):
         try:
-            self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens)
+            self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens,
+                                           grammar=format_grammar(req.text and req.text.format, runtime, "text.format"))
         except ValueError as e:  # a value out of range
             raise APIError(400, str(e)) from None
         self.stream: TextStream | None = None
@@ -224,6 +227,8 @@ class _Run:
             id=self.id, created_at=self.created, status=status, model=self.runtime.model_id,
             instructions=self.req.instructions, max_output_tokens=self.req.max_output_tokens,
             metadata=self.req.metadata or {}, temperature=self.params.temperature, top_p=self.params.top_p,
+            text={"format": self.req.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if self.req.text and self.req.text.format else {"format": {"type": "text"}},
             output=[self.message(text)] if done else [],
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             error=ResponseError(message="The model failed while generating (the server's log says why)")

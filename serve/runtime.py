@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import time
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from model.chat import ReplyReader, ToolUse, cut_parts, render
+from model.grammar import Grammars
 from model.requests import Finished, PromptLogprobs, SamplingParams, Token, sampling_params
 from model.tokenizer import SparkTokenizer, StreamDecoder
 
@@ -374,13 +376,20 @@ class Runtime:
         """Ids the model takes (its embedding rows; may exceed the tokenizer's)."""
         return self.link.info["vocab_size"]
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammars over this model's tokenizer, as its engine compiles them (the front end checks a
+        request's schema with it, so a bad one is a 400 naming its field)."""
+        return Grammars(self.tokenizer.to_str(), self.vocab_size, self.tokenizer.special["<|assistant_end|>"])
+
     def fewest_tokens(self, texts) -> int:
         """A floor on the ids `texts` encode to, without encoding them (see __post_init__)."""
         return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_token_bytes
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Prompt ids for `messages`, by the training renderer. Raises model.chat.ChatFormatError."""
-        ids, _ = render(self.tokenizer, messages, for_completion=True)
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for `messages` (and `tools`' definitions), by the training renderer. Raises
+        model.chat.ChatFormatError."""
+        ids, _ = render(self.tokenizer, messages, for_completion=True, tools=tools)
         return ids
 
     def sampling(self, temperature=None, top_k=None, top_p=None, max_tokens=None, seed=None,

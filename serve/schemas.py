@@ -82,16 +82,30 @@ class ReplyPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object's text")
+
+
+class ToolCall(_Strict):
+    """A function call of an assistant message sent back (as a reply's `tool_calls` gave it)."""
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="developer: the system prompt, as OpenAI's newer models name it")
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer: the system prompt, as OpenAI's newer models name it; tool: a function's result")
+    content: Union[str, list[TextPart], None] = Field(None, description="null or absent only in an assistant "
+                                                                          "message with tool_calls")
     sparkchat_parts: Optional[list[ReplyPart]] = Field(
         None, description="extension, assistant messages only: the reply as the server returned it")
     name: Optional[str] = Field(None, description="accepted and ignored")
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool messages: the call this is the result of")
     # what a client sends back of a reply (the openai package's message.model_dump() has them all): null only
     refusal: None = None
-    tool_calls: None = None
     function_call: None = None
     audio: None = None
     annotations: Optional[Annotated[list, Field(max_length=0)]] = None
@@ -101,11 +115,81 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# ---- structured outputs (serve/structured.py turns them into grammars) ----
+
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
+MAX_CHOICES = 256  # guided_choice's strings
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchema(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema", description="a JSON schema (none: any JSON object)")
+    strict: Optional[bool] = None
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
+class FlatJSONSchemaFormat(JSONSchema):
+    """The Responses API's json_schema format: the schema's fields beside `type`."""
+    type: Literal["json_schema"]
+
+
+TextFormatParam = Annotated[Union[TextFormat, JSONObjectFormat, FlatJSONSchemaFormat], Field(discriminator="type")]
+
+
+class ResponsesText(_Strict):
+    """The Responses API's `text`: its `format` (`verbosity` accepted only at its default)."""
+    format: Optional[TextFormatParam] = None
+    verbosity: Optional[Literal["medium"]] = None
+
+
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: Optional[str] = Field(None, description="accepted; the model sees only the signature")
+    parameters: Optional[dict] = Field(None, description="a JSON schema of the arguments object")
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+GuidedChoice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
 # parameter -> the value at which it does nothing (the only value accepted)
 NO_TOOLS = {"tools": [], "tool_choice": "none", "parallel_tool_calls": None}  # chat's and responses'
 UNSUPPORTED = {
     **NO_TOOLS, "functions": [],
-    "function_call": "none", "response_format": {"type": "text"}, "modalities": ["text"],
+    "function_call": "none", "modalities": ["text"],
     "audio": None, "prediction": None, "web_search_options": None, "verbosity": None,
 }
 COMPLETIONS_UNSUPPORTED = {"best_of": 1, "suffix": None}
@@ -177,18 +261,21 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling, NoTools):
-    NOOPS: ClassVar[dict] = UNSUPPORTED
+    NOOPS: ClassVar[dict] = {k: v for k, v in UNSUPPORTED.items() if k not in NO_TOOLS}
     model_config = ConfigDict(json_schema_extra={"allOf": [
         STREAM_OPTIONS_NEED_STREAM, _needs("top_logprobs", "integer", "logprobs", True)]})
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     functions: Optional[list] = _unsupported(UNSUPPORTED["functions"])
     function_call: Union[str, dict, None] = _unsupported(UNSUPPORTED["function_call"])
-    response_format: Optional[dict] = _unsupported(UNSUPPORTED["response_format"])
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     metadata: Optional[dict] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -214,6 +301,10 @@ class CompletionRequest(_Sampling):
     max_tokens: Optional[int] = Field(None, ge=0, description="0: no completion, only the prompt (with echo)")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    guided_regex: Optional[str] = Field(None, description="extension (vLLM's): the completion matches this regex")
+    guided_choice: Optional[GuidedChoice] = Field(None, description="extension (vLLM's): the completion is one of these")
+    guided_json: Optional[dict] = Field(None, description="extension (vLLM's): the completion is JSON valid "
+                                                          "against this schema")
     best_of: Optional[int] = _unsupported(COMPLETIONS_UNSUPPORTED["best_of"])
     suffix: Optional[str] = _unsupported(COMPLETIONS_UNSUPPORTED["suffix"])
 
@@ -231,10 +322,26 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
     sparkchat_parts: list[ReplyPart] = Field(description="extension: the reply with its calculator use")
 
 
@@ -257,7 +364,7 @@ class Choice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -274,10 +381,12 @@ class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     sparkchat_parts: Optional[list[ReplyPart]] = None  # extension: in the delta that finishes a choice
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer
     def _present_only(self):  # OpenAI sends {"role": ..., "content": ""}, {"content": ...}, then {}
         fields = (("role", self.role), ("content", self.content),
+                  ("tool_calls", self.tool_calls and [c.model_dump() for c in self.tool_calls]),
                   ("sparkchat_parts", self.sparkchat_parts and [p.model_dump() for p in self.sparkchat_parts]))
         return {k: v for k, v in fields if v is not None}
 
@@ -286,7 +395,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
 
 
 class ChatCompletionChunk(BaseModel):

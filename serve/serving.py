@@ -26,8 +26,11 @@ from .engine_link import EngineStalled
 from .errors import APIError, engine_stalled, engine_stopped, error_body
 from .runtime import Runtime, TextStream, merged
 from .sse import Last
+from . import tool_calls
+from .structured import format_grammar
 from .schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
-                      Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob, Usage, _Sampling)
+                      Choice, ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, ToolCallDelta, TopLogprob, Usage,
+                      _Sampling)
 
 SEED_STRIDE = 1  # choice i of a seeded request uses seed + i
 # seconds a client refused for a full queue waits (the 429's Retry-After; the openai package honours it):
@@ -69,11 +72,14 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     check_common(req, runtime)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    format_grammar(req.response_format, runtime, "response_format")  # a bad schema: a 400 before any work
+    tool_calls.check(req, runtime)
+    called: set[str] = set()  # the ids of the calls so far (a tool message answers one)
+    messages = [tool_calls.message_parts(i, m, called) or _message(i, m) for i, m in enumerate(req.messages)]
     try:
         check_length(runtime, runtime.fewest_tokens(content_text(m["content"]) for m in messages), "messages",
                      "at least ")
-        ids = runtime.render(messages)
+        ids = runtime.render(messages, tool_calls.functions(req))
     except ChatFormatError as e:
         raise APIError(400, str(e), "messages") from None
     check_length(runtime, len(ids), "messages")
@@ -114,7 +120,8 @@ def sampling(req: _Sampling, runtime: Runtime, choice: int, max_tokens: int | No
         return runtime.sampling(req.temperature, req.top_k, req.top_p, max_tokens,
                                 None if req.seed is None else req.seed + SEED_STRIDE * choice,
                                 presence_penalty=req.presence_penalty or 0.0,
-                                frequency_penalty=req.frequency_penalty or 0.0, logit_bias=req.bias(), **extras)
+                                frequency_penalty=req.frequency_penalty or 0.0,
+                                logit_bias=extras.pop("logit_bias", req.bias()), **extras)
     except ValueError as e:  # a value out of range
         raise APIError(400, str(e)) from None
 
@@ -142,7 +149,10 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
 
 async def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs)) for i in range(req.n)]
+    grammar = tool_calls.grammar(req, runtime) or format_grammar(req.response_format, runtime, "response_format")
+    bias = tool_calls.bias(req, runtime)
+    jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs, grammar=grammar, logit_bias=bias))
+            for i in range(req.n)]
     return await open_streams(runtime, jobs, req.stop_list())
 
 
@@ -166,8 +176,8 @@ def token_logprobs(tok: SparkTokenizer, tokens: list[Token]) -> ChoiceLogprobs:
                                    for t in tokens])
 
 
-def finish_reason(s: TextStream) -> str:
-    return "length" if s.finish_reason == "length" else "stop"
+def finish_reason(s: TextStream, calls: list | None = None) -> str:
+    return "length" if s.finish_reason == "length" else "tool_calls" if calls else "stop"
 
 
 FAILED = "The model failed while generating (the server's log says why)"
@@ -237,9 +247,13 @@ async def complete(req: ChatCompletionRequest, runtime: Runtime, prompt: list[in
     streams = await _chat_streams(req, runtime, prompt)
     texts = await collect(streams, raw)
     check_failed(streams)
-    choices = [Choice(index=i, message=AssistantMessage(content=t, sparkchat_parts=s.parts), finish_reason=finish_reason(s),
-                      logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None)
-               for i, (t, s) in enumerate(zip(texts, streams))]
+    choices = []
+    for i, (t, s) in enumerate(zip(texts, streams)):
+        calls = tool_calls.calls(s.parts) or None
+        choices.append(Choice(index=i, message=AssistantMessage(content=t if t or not calls else None, tool_calls=calls,
+                                                                sparkchat_parts=s.parts),
+                              finish_reason=finish_reason(s, calls),
+                              logprobs=token_logprobs(runtime.tokenizer, s.tokens) if req.logprobs else None))
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=runtime.model_id,
                           choices=choices, usage=_usage(prompt, streams))
 
@@ -275,8 +289,12 @@ async def stream(req: ChatCompletionRequest, runtime: Runtime,
                     held += FAILED_EVENT
                     break
                 if piece is None:  # tokens whose text was held back (a possible stop string) come last
+                    calls = tool_calls.calls(s.parts)
+                    if calls:  # each call whole, in one delta of OpenAI's shape
+                        held += chunk([ChunkChoice(index=i, delta=Delta(tool_calls=[
+                            ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(calls)]))])
                     held += chunk([ChunkChoice(index=i, delta=Delta(sparkchat_parts=s.parts),
-                                               finish_reason=finish_reason(s), logprobs=logprobs(s))])
+                                               finish_reason=finish_reason(s, calls), logprobs=logprobs(s))])
                     continue
                 lp = logprobs(s)
                 if lp:

@@ -94,15 +94,22 @@ def test_prepare_holds_out_eval_items(tmp_path):
     stats = prepare(p, out)
     held = set()
     for f in (out / "eval").glob("*.jsonl"):
-        held |= {synthetic.normalize_prompt(json.loads(l)["prompt"]) for l in f.read_text().splitlines()}
+        if f.stem != "tool_use":  # its items are held out by prompt and functions offered (below)
+            held |= {synthetic.normalize_prompt(json.loads(l)["prompt"]) for l in f.read_text().splitlines()}
+    from pipeline import tool_tasks
+    tool_held = {tool_tasks.key(json.loads(l)) for l in (out / "eval" / "tool_use.jsonl").read_text().splitlines()}
     assert len(held) > 1000
     # the generator does produce eval prompts in training by chance; prepare must have dropped them all
     raw = {synthetic.normalize_prompt(it["prompt"]) for it in synthetic.generate_train(6000, p.data.seed)}
     assert raw & held, "test is vacuous: no collision to remove"
     for name in ("mid_train", "sft_train", "chat_val"):
-        rows = datasets.Dataset.from_parquet(str(out / f"{name}.parquet"))["messages"]
-        prompts = {synthetic.normalize_prompt(t["content"]) for m in rows for t in json.loads(m) if t["role"] == "user"}
+        convs = [json.loads(m) for m in datasets.Dataset.from_parquet(str(out / f"{name}.parquet"))["messages"]]
+        prompts = {synthetic.normalize_prompt(t["content"]) for c in convs if isinstance(c, list) for t in c
+                   if t["role"] == "user"}
         assert not prompts & held, name
+        tool_keys = {(c["messages"][0]["content"], tuple(f["name"] for f in c["tools"])) for c in convs
+                     if isinstance(c, dict)}
+        assert tool_keys and not tool_keys & tool_held, name
     assert stats["chat_train"] > 0 and stats["pretrain_val_chars"] > 0
 
 

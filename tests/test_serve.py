@@ -169,15 +169,16 @@ def test_n2_and_seeds(client):
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
     ({"temperature": 3}, "temperature"),
     ({"n": 0}, "n"),
     ({"seed": 2**70}, "seed"),
     ({"extra_body": {"top_k": 2**40}}, "top_k"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),  # answers no call
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"extra_body": {"store": 0}}, "store"),  # strict types: 0 is not a boolean

@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from bench.corpus import write_corpus
-from model.chat import render
 from model.tokenizer import SparkTokenizer
 from pipeline.config import params_from_dict
 from pipeline.data import ChatBatches, DataError, TokenStream, open_tokens, shard_texts
 from pipeline.prepare import chunk_document, iter_chunks, prepare, pretrain_token_budget
 from pipeline.sources import SourceError, iter_documents, iter_texts, read_text_blocks
 from pipeline import sources
-from pipeline.tokenize import tokenize_all
+from pipeline.tokenize import render_conversation, tokenize_all
 from sparkchat import paths
 
 
@@ -103,7 +102,7 @@ def test_tokenize_matches_the_renderer_and_is_deterministic(project, tmp_path):
     chat = open_tokens(root / paths.SFT_TRAIN_TOKENS, tok)
     convs = [json.loads(m) for m in pq.read_table(root / paths.SFT_TRAIN).column("messages").to_pylist()]
     for i in (0, 1, len(convs) - 1):
-        ids, mask = render(tok, convs[i])
+        ids, mask = render_conversation(tok, convs[i])
         s, e = chat.offsets[i], chat.offsets[i + 1]
         assert chat.ids[s:e].tolist() == ids and chat.mask[s:e].tolist() == mask
 
