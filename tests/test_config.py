@@ -124,7 +124,8 @@ def test_params_yaml_holds_the_code_defaults():
     from pipeline.config import Params
 
     diffs = differences(base(), dataclasses.asdict(Params()))
-    assert not diffs, f"{len(diffs)} differences:\n" + "\n".join(diffs)
+    assert not diffs, f"{len(diffs)} differences between params.yaml as committed (git show HEAD:params.yaml; " \
+                      f"an experiment's values in the workspace do not count) and the code:\n" + "\n".join(diffs)
 
 
 def literal_keys(cls, key: str = "") -> dict[str, tuple]:
