@@ -45,8 +45,8 @@ def _at_least(low, kind):
 
 def _positive(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 
