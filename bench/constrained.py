@@ -1,7 +1,8 @@
 """What one constrained row costs the unconstrained rows beside it, in the engine on this device.
 
 A random model of the default profile's shape (d4: 4 layers, 128 wide, 4 heads of 32, 2 KV heads, a
-context of 128; random weights, its head's rows of the stop ids zero, so rows run to their length) over a 2048-id tokenizer trained on Shakespeare (bench.grammar.train_tokenizer), through
+context of 128; random weights, its head's rows of the stop ids zero, so rows run to their length) over a
+2048-id tokenizer trained on Shakespeare (bench.grammar.train_tokenizer), through
 model.chat_engine as the server builds it. Each round runs, back to back and submitted at once:
 
   - `plain16`: 16 unconstrained rows (temperature 1, top-k 50, seeded, --new tokens each);

@@ -9,7 +9,8 @@ Assistant content is a string or a list of parts: {"type": "text"}, {"type": "py
 call, rendered between python_start/end), {"type": "python_output"} (the tool's answer, rendered
 between output_start/end) and {"type": "call"} (a call of a client's function, between call_start/end).
 A `tool` message is a function's result (between result_start/end, after the turn that called it), and
-`tools` (function definitions) render after the system prompt: model/tools.py shows the whole form. The mask is 1 on what the model must learn to produce: assistant text, tool
+`tools` (function definitions) render after the system prompt: model/tools.py shows the whole form. The
+mask is 1 on what the model must learn to produce: assistant text, tool
 calls and the closing <|assistant_end|>; 0 on prompts and tool outputs (the engine supplies those).
 
 A generated reply has the same structure, and this file is also its one home (`ReplyReader`): the

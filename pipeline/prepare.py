@@ -27,10 +27,9 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from model.no_room import NoRoomError, no_room_errno, no_room_error
-from . import synthetic, tool_tasks
 from sparkchat import paths
 
-from . import synthetic
+from . import synthetic, tool_tasks
 from .config import ConfigError, Params, load_params
 from .metrics import write_json, write_reports
 from .sources import SourceError, iter_conversations, iter_documents

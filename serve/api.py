@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import multiprocessing
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, get_type_hints
+from typing import Callable
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
-from pydantic import ValidationError
 
 from . import completions, errors, responses, serving
 from .errors import APIError, engine_stalled, engine_stopped
@@ -80,73 +73,11 @@ def get_runtime(request: Request) -> Runtime:
     return runtime
 
 
-INLINE_CHECK_BYTES = 16 * 1024  # a body this small is parsed and checked on the loop (a few ms at most)
-
-
-def _parse(model, raw: bytes):
-    """A body as FastAPI reads it (json.loads, then the model's validation of the Python value): the model,
-    None when it is not JSON (FastAPI's own path then says why), or ("invalid", errors, value)."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        return "invalid", [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)], data
-
-
-_parser: ProcessPoolExecutor | None = None  # this front end's, started at its first large body
-
-
-async def parse_off_loop(model, raw: bytes):
-    """_parse in a process of its own: json.loads and pydantic hold the GIL for the whole of a large body
-    (a thread would hold up the loop as long), and the model's pickle loads several times faster than it
-    parses and validates (bench/results/api-robustness.md, "Hostile clients")."""
-    global _parser
-    if _parser is None:
-        _parser = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        return await asyncio.get_running_loop().run_in_executor(_parser, _parse, model, raw)
-    except BrokenProcessPool:  # (killed): the next large body starts another
-        _parser = None
-        return await asyncio.to_thread(_parse, model, raw)
-
-
-class OffLoopRoute(APIRoute):
-    """A route whose large JSON body is parsed and validated off the event loop (parse_off_loop): a 0.9 MB
-    body (300,000 token ids, 10,000 turns, a 60,000-entry logit_bias) parsed on it held every other client
-    of the front end for a large part of a second. The endpoint (`body`, `request`) is then called here
-    with the model; a small body, or one FastAPI must refuse as not JSON, takes FastAPI's own path."""
-
-    def get_route_handler(self):
-        handler, endpoint = super().get_route_handler(), self.endpoint
-        model = get_type_hints(endpoint).get("body")
-        if model is None:
-            return handler
-
-        async def route(request: Request) -> Response:
-            raw = await request.body()
-            kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-            if len(raw) <= INLINE_CHECK_BYTES or not (kind == "application/json" or kind.endswith("+json")):
-                return await handler(request)
-            body = await parse_off_loop(model, raw)
-            if body is None:
-                return await handler(request)
-            if isinstance(body, tuple):
-                raise RequestValidationError(body[1], body=body[2])
-            result = await endpoint(body, request)
-            if isinstance(result, Response):
-                return result
-            return JSONResponse(result.model_dump(mode="json", by_alias=True))
-
-        return route
-
-
-router = APIRouter(route_class=OffLoopRoute)
+router = APIRouter()
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+INLINE_CHECK_BYTES = 16 * 1024  # a body this small is checked on the loop (a few ms of tokenizing at most)
 
 
 async def answer(endpoint, body, request: Request):

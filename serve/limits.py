@@ -96,8 +96,10 @@ class LimitedHttp(HttpToolsProtocol):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.head_bytes = 0  # bytes received since the current head began
-        self.reading_head = True  # until this request's headers are complete
+        # bytes of the current head, counted by whole reads once a read has ended inside it (so a head is
+        # refused at most one read past its limit, and a body's bytes never count)
+        self.head_bytes = 0
+        self.reading_head = True  # from a request's first byte until its headers are complete
         self.header_count = 0
         self.refusal: tuple[int, str, dict] | None = None
         self.over_limit = False
@@ -137,9 +139,7 @@ class LimitedHttp(HttpToolsProtocol):
         if self.refusal is not None:  # refused: what else comes is read and dropped until the close
             return
         self._unset_keepalive_if_required()
-        # a chunk counts toward a head only when it began and ended inside one: the last chunk of a body
-        # (after which the parser waits for the next head) is no head's bytes
-        reading = self.reading_head
+        in_head = self.reading_head  # the last read ended inside a head: all of this one is head, or ends it
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -157,7 +157,7 @@ class LimitedHttp(HttpToolsProtocol):
             else:
                 self._refuse()
             return
-        if reading and self.reading_head:
+        if in_head and self.reading_head:
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_head_bytes:  # counted before httptools joins any more
                 self._refusal(431, f"The request's head is over {self.limits.max_head_bytes} bytes (--max-head-bytes)")
@@ -165,7 +165,7 @@ class LimitedHttp(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.header_count = 0
+        self.reading_head, self.head_bytes, self.header_count = True, 0, 0
         if self.request_timer is None:
             self.request_timer = self.loop.call_later(self.limits.request_timeout, self._timed_out)
 
@@ -190,7 +190,6 @@ class LimitedHttp(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._stop_timer()
-        self.reading_head = True
         super().on_message_complete()
 
     def _timed_out(self) -> None:
@@ -222,7 +221,7 @@ class LimitedHttp(HttpToolsProtocol):
         status, message, headers = self.refusal
         if status != 503:  # (the over-limit warning was logged when the connection came)
             _warn(status, message)
-        body = json.dumps(error_body(status, message, None, {408: "request_timeout", 431: "request_too_large",
+        body = json.dumps(error_body(status, message, None, {408: "request_timeout", 431: "request_header_fields_too_large",
                                                               503: "too_many_connections"}[status])).encode()
         head = [f"HTTP/1.1 {status} {REASONS[status]}", "content-type: application/json",
                 f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in headers.items())]

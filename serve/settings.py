@@ -7,6 +7,7 @@ Needs neither torch nor FastAPI, so `sparkchat serve --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -91,6 +92,8 @@ class Settings:
             if (low is not None and not value >= low) or (high is not None and not value <= high):
                 bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{flag_of(f)} must be {bounds}, got {value}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag_of(f)} must be a finite number, got {value}")
             if f.metadata["above"] is not None and not value > f.metadata["above"]:
                 raise ValueError(f"{flag_of(f)} must be > {f.metadata['above']}, got {value}")
             if f.metadata["choices"] and value not in f.metadata["choices"]:

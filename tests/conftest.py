@@ -212,3 +212,20 @@ def conv_tool_model_dir(tmp_path_factory, serve_tokenizer):
     save_model_dir(path, model.eval(), tok, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_tokens": 40,
                                              "tool_use": True})
     return path
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory, serve_tokenizer):
+    """A tiny random chat model with a context of 4096 tokens."""
+    import torch
+
+    from model.gpt import GPT, GPTConfig
+    from model.model_dir import save_model_dir
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=serve_tokenizer.vocab_size, n_layer=1, n_embd=32, n_head=1, n_kv_head=1,
+                          seq_len=4096))
+    model.init_weights(seed=0)
+    path = tmp_path_factory.mktemp("long_model")
+    save_model_dir(path, model.eval(), serve_tokenizer, {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                                         "max_tokens": 16, "tool_use": False})
+    return path

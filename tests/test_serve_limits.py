@@ -9,7 +9,6 @@ keeps its stream; a clean stop logs no ERROR; folders of a supervisor killed wit
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve_procs import Server, Stream, banned, long_model_dir  # noqa: F401  (fixtures)
+from test_serve_procs import Server, Stream, banned  # noqa: F401  (banned: a fixture)
 
 
 def health_times(url: str, stop: threading.Event, out: list) -> None:
@@ -248,8 +247,9 @@ def test_a_half_closed_client_keeps_its_stream(long_model_dir, banned):  # noqa:
 
 
 def test_a_clean_stop_logs_no_error_and_stale_folders_are_removed(long_model_dir):
-    """SIGTERM to the whole process group, as a service manager stops it: exit code 0 and no ERROR line. A supervisor killed with -9 leaves its folders (engine
-    socket, metrics) in the temp directory: the next server's start removes them."""
+    """SIGTERM to the whole process group, as a service manager stops it: exit code 0 and no ERROR line. A
+    supervisor killed with -9 leaves its folders (engine socket, metrics) in the temp directory: the next
+    server's start removes them."""
     temp = tempfile.mkdtemp()
     env_temp = {"TMPDIR": temp}
     first = Server(long_model_dir, "--no-ui", env=env_temp)
