@@ -66,9 +66,14 @@ def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, de
 @torch.no_grad()
 def tool_use_scores(engine: Engine, tok, items: list[dict], max_new: int, name: str) -> dict[str, float]:
     """The tool-use task (pipeline/tool_tasks.py) on held-out items, greedy: each prompt rendered with its
-    two functions; `tool_call` and `tool_none` from the calls each reply made."""
-    prompts = [render(tok, [{"role": "user", "content": it["prompt"]}], for_completion=True, tools=it["tools"])[0]
-               for it in items]
+    two functions; `tool_call` and `tool_none` from the calls each reply made. Items whose prompt leaves
+    the model's context no room for a reply are left out (a context too short for any: not scored)."""
+    rendered = [render(tok, [{"role": "user", "content": it["prompt"]}], for_completion=True, tools=it["tools"])[0]
+                for it in items]
+    fits = [i for i, ids in enumerate(rendered) if len(ids) < engine.max_len]
+    if not fits:
+        return {}
+    items, prompts = [items[i] for i in fits], [rendered[i] for i in fits]
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     with tqdm(total=len(prompts), desc=f"{name}/tool_use", file=sys.stderr, mininterval=2.0, leave=False) as bar:
         done = run_all(engine, [(ids, params) for ids in prompts], bar)

@@ -13,6 +13,7 @@ enough; `data.max_docs_per_source` caps each source as well.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import random
@@ -268,7 +269,11 @@ def _prepare(p: Params, out: Path, shard_chars: int, group_chars: int) -> dict:
     sft = list(train)
     random.Random(d.seed + 7).shuffle(sft)
     for name, rows in (("mid_train", train), ("sft_train", sft), ("chat_val", val)):
-        datasets.Dataset.from_dict({"messages": [json.dumps(m) for m in rows]}).to_parquet(str(out / f"{name}.parquet"))
+        # built in memory (a few MB), written by Python: pyarrow's parquet writer aborts the whole process
+        # (a C++ check) when the disk fills under it, where Python's write raises ENOSPC, said in one line
+        buf = io.BytesIO()
+        datasets.Dataset.from_dict({"messages": [json.dumps(m) for m in rows]}).to_parquet(buf)
+        (out / f"{name}.parquet").write_bytes(buf.getvalue())
     stats = {
         "pretrain_train_chars": pre["train"]["chars"], "pretrain_val_chars": pre["val"]["chars"],
         "pretrain_train_docs": pre["train"]["docs"], "pretrain_shards": len(pre["train"]["shards"]) + len(pre["val"]["shards"]),
