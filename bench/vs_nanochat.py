@@ -47,6 +47,9 @@ import types
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.check_keys import find
+from bench.provenance import run_id
+
 ROOT = Path(__file__).resolve().parent.parent
 NANOCHAT_REPO = "https://github.com/karpathy/nanochat"
 NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # 2026-07-03, "clean up fragile code"
@@ -310,11 +313,6 @@ def child_command(a, impl: str, precision: str, record: Path) -> list[str]:
             "--record", str(record)] + [str(x) for x in keep]
 
 
-def git_commit() -> str:
-    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
-
-
 def run(a) -> dict:
     """Prepare once, then every variant in its own process, alternated over `--runs` rounds."""
     import torch
@@ -354,7 +352,7 @@ def run(a) -> dict:
             subprocess.run(child_command(a, impl, prec, record), check=True, env=env, cwd=ROOT)
             rnd[f"{impl}-{prec}"] = summarise_run(json.loads(record.read_text()), a.total_batch)
         rounds.append(rnd)
-        res = dict(bench="vs_nanochat", commit=git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        res = dict(bench="vs_nanochat", commit=run_id(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    command=" ".join(sys.argv), device=device, torch=torch.__version__, nanochat=dict(
                        repo=NANOCHAT_REPO, commit=NANOCHAT_COMMIT, window_pattern="L"),
                    steps=a.steps, config=dict(depth=a.depth, head_dim=a.head_dim, seq_len=a.seq_len, vocab=a.vocab,
@@ -369,15 +367,6 @@ def run(a) -> dict:
 
 
 # -- the check ------------------------------------------------------------------------------------------
-
-def find(data, key: str) -> list:
-    """Every value stored under `key` anywhere in the JSON."""
-    if isinstance(data, dict):
-        return ([data[key]] if key in data else []) + [v for x in data.values() for v in find(x, key)]
-    if isinstance(data, list):
-        return [v for x in data for v in find(x, key)]
-    return []
-
 
 def _figure(v) -> bool:
     """A number, a {median, min, max} spread, or a mapping of those (e.g. one per precision)."""
