@@ -5,6 +5,8 @@ the step's wall time less the kernels' sum (the gaps between kernels, which a gr
 
 Beside it the floor: the bytes of the weights a step reads over the copy bandwidth measured in the same
 run (bench.serve_gpu). `--weights fp8` converts the Linears first (model/precision/fp8_weights.py).
+`--variants`: ways of running the step, each captured as its own graph and timed in turn, round by round:
+`cublas` (each Linear as is), `rows` (model.gpt.ROW_PRODUCTS: one row's products as Inductor reductions).
 
     python -m bench.decode_profile --rows 1,128 --out /tmp/decode_profile.json
 """
@@ -48,6 +50,7 @@ def wall_us(graph: torch.cuda.CUDAGraph, replays: int, lengths: torch.Tensor, st
 
 def main(argv=None) -> dict:
     from bench.serve_gpu import copy_bandwidth, d_model
+    from model import gpt
     from model.engine import Engine, EngineConfig
     from model.precision import fp8_weights
     from model.sampling import RANKED_K
@@ -57,7 +60,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default="1,128", help="rows a step, comma-separated")
     ap.add_argument("--slots", type=int, default=256, help="cache slots each row holds (the step's bucket)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="cublas,rows")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -72,25 +76,36 @@ def main(argv=None) -> dict:
            "weight_bytes": weight_bytes, "floor_us": round(weight_bytes / bw * 1e6, 1), "rows": {}}
     engine = Engine(model, EngineConfig(max_batch=max(rows), cuda_graphs=True))
     g = engine.graphs
+    variants = args.variants.split(",")
     with torch.inference_mode():
         for n in rows:
             # rows hold half the bucket's slots, so the replays' added tokens stay inside it
             start, replays = args.slots // 2, min(100, args.slots // 2 - 1)
             lengths = engine.cache.lengths[:n]
             lengths.fill_(start)
-            graph, _, _ = g._capture(g._bucket(n, 1, g.max_batch), g._bucket(args.slots, 64, g.max_len), RANKED_K, False)
-            walls = [wall_us(graph, replays, lengths, start) for _ in range(args.rounds)]
-            kernels, device_us = profile_step(graph, 20, lengths, start)
-            w = spread(walls)
-            res["rows"][n] = {"wall_us": w, "kernels_us": round(device_us, 1),
-                              "gaps_us": round(w["median"] - device_us, 1),
-                              "kernels_a_step": round(sum(k["count"] for k in kernels), 1),
-                              "floor_fraction": round(res["floor_us"] / w["median"], 3), "top": kernels[:25]}
-            print(f"{n} rows: step {w['median']:.1f} us ({w['min']:.1f}-{w['max']:.1f}), kernels {device_us:.1f} us "
-                  f"in {res['rows'][n]['kernels_a_step']} kernels, floor {res['floor_us']} us "
-                  f"({res['floor_us'] / w['median']:.2f} of it)", flush=True)
-            for k in kernels[:25]:
-                print(f"   {k['us']:8.1f} us  x{k['count']:5.1f}  {k['kernel'][:100]}")
+            graphs = {}
+            for v in variants:
+                gpt.ROW_PRODUCTS = v == "rows"
+                graphs[v], _, _ = g._capture(g._bucket(n, 1, g.max_batch), g._bucket(args.slots, 64, g.max_len),
+                                             RANKED_K, False)
+            walls = {v: [] for v in variants}
+            for _ in range(args.rounds):  # the variants in turn, round by round
+                for v in variants:
+                    walls[v].append(wall_us(graphs[v], replays, lengths, start))
+            res["rows"][n] = {}
+            for v in variants:
+                kernels, device_us = profile_step(graphs[v], 20, lengths, start)
+                w = spread(walls[v])
+                r = res["rows"][n][v] = {"wall_us": w, "kernels_us": round(device_us, 1),
+                                         "gaps_us": round(w["median"] - device_us, 1),
+                                         "kernels_a_step": round(sum(k["count"] for k in kernels), 1),
+                                         "floor_fraction": round(res["floor_us"] / w["median"], 3), "top": kernels[:25]}
+                print(f"{n} rows, {v}: step {w['median']:.1f} us ({w['min']:.1f}-{w['max']:.1f}), kernels {device_us:.1f} us "
+                      f"in {r['kernels_a_step']} kernels, floor {res['floor_us']} us ({r['floor_fraction']:.2f} of it)",
+                      flush=True)
+                for k in kernels[:25]:
+                    print(f"   {k['us']:8.1f} us  x{k['count']:5.1f}  {k['kernel'][:100]}")
+    gpt.ROW_PRODUCTS = False
     if args.out:
         save_json(res, args.out)
     return res

@@ -56,6 +56,20 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
+ROW_PRODUCTS = False
+"""Under torch.compile, a Linear applied to a single row (a decode step at one stream) is written as a
+product and a sum, which Inductor makes one reduction kernel with the neighbouring elementwise work (the
+squared ReLU, a residual add) fused in, instead of a cuBLAS GEMV with kernels of their own around it. A
+process-wide switch the engine's graphs set (model/decode_graphs.py); off, every Linear is called as is."""
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), or, with ROW_PRODUCTS and one row, the same product as a sum in fp32 (see ROW_PRODUCTS)."""
+    if ROW_PRODUCTS and type(linear) is nn.Linear and x.numel() == x.shape[-1]:
+        return (x.float().unsqueeze(-2) * linear.weight.float()).sum(-1).to(x.dtype)
+    return linear(x)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, H, D); cos/sin: (B or 1, T, 1, D/2)
     d = x.shape[-1] // 2
@@ -157,7 +171,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: tuple | None, positions, mask=None):
         B, T, _ = x.shape
-        q, k, v = self.c_qkv(x).split(self.qkv_rows, dim=-1)
+        q, k, v = project(self.c_qkv, x).split(self.qkv_rows, dim=-1)
         # RoPE and QK-norm in (B, T, H, D), the projection's own layout; only the attention kernel sees (B, H, T, D).
         # Backward then writes the fused q/k/v gradient with one cheaper copy (a shorter bf16 micro-step
         # than heads-first: bench/results/precision.md, "Attention layout")
@@ -184,7 +198,7 @@ class Attention(nn.Module):
                 y = flex_attention(q.transpose(1, 2), keys, values, block_mask=mask, kernel_options=opts, **gqa)
             else:
                 y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, **gqa)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return project(self.c_proj, y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -196,7 +210,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return project(self.c_proj, F.relu(project(self.c_fc, x)).square())
 
 
 class Block(nn.Module):

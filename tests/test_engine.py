@@ -11,7 +11,7 @@ import torch
 from model.engine import Engine, EngineConfig
 
 from model.requests import Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Token
-from model.gpt import GPTConfig
+from model.gpt import GPTConfig, KVCache
 from model.sampling import sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -652,3 +652,28 @@ def test_requests_of_one_prompt_share_its_prefill(engine_factory, serve_model, m
     assert rows == [2]  # one forward, one row for each distinct prompt
     assert results == [ids for ids, _ in alone] and len(set(map(tuple, results[:3]))) == 3
     assert ends[4] == lone_lp[0] and len(ends[4]) == len(prompt) - 1
+
+
+def test_row_products_give_the_linear_s_logits(monkeypatch):
+    """model.gpt.ROW_PRODUCTS (one row's Linears as a product and a sum, for Inductor to fuse): a decode
+    step's logits as the Linears give them (fp32, summation order aside), and more rows take the Linears."""
+    from model import gpt
+    model = small_gpt()
+    prompt = torch.tensor([[5, 9, 2, 7]])
+
+    def last_logits():
+        cache = KVCache(model.config, 1, 16, "cpu", torch.float32)
+        model(prompt, kv_cache=cache)
+        return model(torch.tensor([[3]]), kv_cache=cache)[:, -1]
+
+    calls = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[:-1].numel()))
+    want = last_logits()
+    monkeypatch.setattr(gpt, "ROW_PRODUCTS", True)
+    calls.clear()
+    got = last_logits()
+    # the decode step: only the head is called as a Linear; the 4-token prefill called them all
+    assert calls.count(1) == 1 and calls.count(4) == 2 * 4 + 1, calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -217,3 +217,25 @@ def test_prompt_logprobs_on_gpu_equal_a_direct_forward():
         ref = torch.log_softmax(model(torch.tensor([p], device="cuda"))[0].float(), -1)[:-1]
     want = ref.gather(-1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].cpu()
     assert torch.allclose(torch.tensor(got[0].logprobs), want, atol=1e-3)
+
+
+def test_row_products_under_graphs_give_the_eager_greedy_ids(monkeypatch):
+    """model.gpt.ROW_PRODUCTS (a one-row step's Linears as Inductor reductions): the graph path's greedy
+    ids equal the eager engine's without it, one request at a time (one-row steps) and together."""
+    from model import gpt
+    model = gpu_model()
+    greedy = lambda i: SamplingParams(temperature=0.0, max_tokens=32)  # noqa: E731
+    eager = Engine(model, EngineConfig(max_batch=16, cuda_graphs=False, run_ahead=False, prefill_chunk=10_000)).start()
+    try:
+        want = [generate_all(eager, [p], greedy)[0] for p in prompts()]
+    finally:
+        eager.shutdown()
+    monkeypatch.setattr(gpt, "ROW_PRODUCTS", True)
+    fast = Engine(model, EngineConfig(max_batch=16, cuda_graphs=True, prefill_chunk=256)).start()
+    try:
+        alone = [generate_all(fast, [p], greedy)[0] for p in prompts()]
+        together = generate_all(fast, prompts(), greedy)
+    finally:
+        fast.shutdown()
+    assert alone == want
+    assert together == want
