@@ -329,7 +329,7 @@ class GPT(nn.Module):
             keep = targets.reshape(-1) != -1  # (an RL step scores a few reply ids after a long prompt)
             xn, targets = xn.reshape(-1, xn.size(-1))[keep], targets.reshape(-1)[keep]
             reduction = "none"
-        logits = self.lm_head(xn).float()
+        logits = project(self.lm_head, xn).float()
         cap = self.config.logit_softcap
         logits = cap * torch.tanh(logits / cap)
         if targets is None:
