@@ -229,3 +229,21 @@ def long_model_dir(tmp_path_factory, serve_tokenizer):
     save_model_dir(path, model.eval(), serve_tokenizer, {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                                          "max_tokens": 16, "tool_use": False})
     return path
+
+
+# ---- engine fixtures ----
+
+@pytest.fixture
+def engine_factory():
+    """`make(model, tool=None, **EngineConfig fields)`: a started Engine, shut down after the test."""
+    from model.engine import Engine, EngineConfig
+    engines = []
+
+    def make(model, tool=None, **cfg):
+        e = Engine(model, EngineConfig(**cfg), tool=tool)
+        engines.append(e.start())
+        return e
+
+    yield make
+    for e in engines:
+        e.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 # files an experiment rewrites in the workspace (DVC's `-S`): tests read and copy them as committed
@@ -78,3 +79,21 @@ def copy_project(root: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Pat
         if rel in files and rel.split("/")[0] not in leave_out:
             (dest / rel).write_text(committed_text(root, rel))
     return dest
+
+
+def committed_params(root: Path) -> dict:
+    """params.yaml as committed, as a dict: an experiment's values in the workspace are not the defaults."""
+    import yaml
+    return yaml.safe_load(committed_text(root, "params.yaml"))
+
+
+def run_on_params(root: Path, folder: Path, params: dict, *module_args: str,
+                  timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m MODULE_ARGS` in `folder` with `params` as its params.yaml (the project's profiles linked
+    beside it) and only the project on the path: what a stage or the CLI does with those values."""
+    import yaml
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    if not (folder / "profiles").exists():
+        (folder / "profiles").symlink_to(root / "profiles")
+    return subprocess.run([sys.executable, "-m", *module_args], cwd=folder, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=timeout)

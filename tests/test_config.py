@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pipeline.config import ConfigError, load_params, params_from_dict
-from project_files import committed_text
+from project_files import committed_params, committed_text, run_on_params
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
@@ -17,7 +16,7 @@ PROFILES = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
 
 def base() -> dict:
     """params.yaml as committed: an experiment's values in the workspace (`dvc exp run -S`) are not the defaults."""
-    return yaml.safe_load(committed_text(ROOT, "params.yaml"))
+    return committed_params(ROOT)
 
 
 def test_default_params_load(tmp_path):
@@ -99,10 +98,7 @@ def test_bad_params_fail_fast_and_write_nothing(tmp_path):
     """A stage run on a bad params.yaml exits quickly with the key in the message and no outputs."""
     d = base()
     d["pretrain"]["lr"] = 0.1
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
-    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
-    r = subprocess.run([sys.executable, "-m", "pipeline.pretrain"], cwd=tmp_path, capture_output=True, text=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    r = run_on_params(ROOT, tmp_path, d, "pipeline.pretrain")
     assert r.returncode != 0
     assert "pretrain.lr" in r.stderr
     assert not (tmp_path / "artifacts").exists()

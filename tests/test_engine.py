@@ -42,20 +42,6 @@ def run(engine, prompt, **kw):
     return engine.generate(prompt, SamplingParams(**kw))
 
 
-@pytest.fixture
-def engine_factory():
-    engines = []
-
-    def make(model, tool=None, **cfg):
-        e = Engine(model, EngineConfig(**cfg), tool=tool)
-        engines.append(e.start())
-        return e
-
-    yield make
-    for e in engines:
-        e.shutdown()
-
-
 # ---- sampling ----
 
 def test_sample_greedy_topk_topp():

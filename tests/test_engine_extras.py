@@ -7,27 +7,12 @@ import threading
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig
 
 from model.requests import Finished, PromptLogprobs, SamplingParams, Token
 
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-@pytest.fixture
-def engine_factory():
-    engines = []
-
-    def make(model, **cfg):
-        e = Engine(model, EngineConfig(**cfg))
-        engines.append(e.start())
-        return e
-
-    yield make
-    for e in engines:
-        e.shutdown()
 
 
 def events(engine, prompt, **kw) -> list:

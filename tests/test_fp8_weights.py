@@ -209,7 +209,7 @@ def test_fp8_quality_compares_task_by_task_and_gates_on_the_tolerance():
 def test_fp8_quality_is_refused_on_a_cpu_with_the_reason():
     r = subprocess.run([sys.executable, "-m", "bench.fp8_quality"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode != 0 and "bench/fp8_quality.py: FP8 weights serve on a CUDA GPU" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "bench/fp8_quality.py: serving FP8 weights needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
 
 
 ENGINE_UNDER_INTERPRETER = """

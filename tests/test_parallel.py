@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from model.precision import BackendUnavailable, get_backend
 from pipeline.config import RuntimeParams
 from pipeline.data import IGNORE, TokenStream
 from pipeline.runtime import LaunchError, external_launcher, join_env, torchrun_command
-from project_files import committed_text
+from project_files import committed_params, run_on_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,13 +177,10 @@ def test_a_backend_that_cannot_shard_says_so_first(tmp_path):
         get_backend("te-fp8").check_parallel("fsdp")
     get_backend("te-fp8").check_parallel("ddp")
     # the stage refuses before reading anything or starting a process (no token files exist here)
-    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
+    d = committed_params(ROOT)
     d["precision"]["backend"] = "te-fp8"
     d["runtime"].update(parallel="fsdp", nproc=2)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
-    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
-    r = subprocess.run([sys.executable, "-m", "pipeline.pretrain"], cwd=tmp_path, capture_output=True, text=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    r = run_on_params(ROOT, tmp_path, d, "pipeline.pretrain")
     assert r.returncode != 0 and "pretrain: precision backend 'te-fp8[delayed,fused]' does not run under " \
                                   "runtime.parallel=fsdp" in r.stderr, r.stderr
     assert "torch.distributed.run" not in r.stderr and not (tmp_path / "artifacts").exists()
@@ -194,12 +188,10 @@ def test_a_backend_that_cannot_shard_says_so_first(tmp_path):
 
 def test_link_check_runs_over_the_ranks(tmp_path):
     """`sparkchat link-check` starts its ranks from the runtime keys, checks an all-reduce and times sizes."""
-    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
+    d = committed_params(ROOT)
     d["runtime"].update(nproc=2, device="cpu")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
-    r = subprocess.run([sys.executable, "-m", "sparkchat.cli", "link-check", "--sizes-mb", "0.25", "1", "--iters", "2"],
-                       cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                       timeout=180)
+    r = run_on_params(ROOT, tmp_path, d, "sparkchat.cli", "link-check", "--sizes-mb", "0.25", "1", "--iters", "2",
+                      timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "link-check: 2 rank(s), backend gloo, all-reduce checked" in r.stdout
     assert f"rank 1: {socket.gethostname()} cpu" in r.stdout
@@ -213,9 +205,7 @@ def test_link_check_runs_over_the_ranks(tmp_path):
     ({"nnodes": 2, "rdzv_endpoint": "n0:29500"}, "2", "join: --node-rank must be in 1..1 (runtime.nnodes=2), got 2"),
 ])
 def test_join_refuses_what_cannot_be_joined(tmp_path, runtime, flag, message):
-    d = yaml.safe_load(committed_text(ROOT, "params.yaml"))
+    d = committed_params(ROOT)
     d["runtime"].update(runtime)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
-    r = subprocess.run([sys.executable, "-m", "sparkchat.cli", "join", "--node-rank", flag], cwd=tmp_path,
-                       capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    r = run_on_params(ROOT, tmp_path, d, "sparkchat.cli", "join", "--node-rank", flag)
     assert r.returncode != 0 and message in r.stderr, r.stderr

@@ -4,8 +4,6 @@ prompts (never a held-out item; the same on every run), and params refused befor
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 import yaml
 
 from pipeline.config import ConfigError, RLParams, params_from_dict
-from project_files import committed_text
+from project_files import committed_params, run_on_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,7 +169,7 @@ def test_replay_is_sft_gold_of_the_tasks_not_trained_never_held_out(tmp_path, mo
 
 
 def base() -> dict:
-    return yaml.safe_load(committed_text(ROOT, "params.yaml"))  # not an experiment's values
+    return committed_params(ROOT)  # not an experiment's values
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -222,10 +220,7 @@ def test_gsm8k_fixture_loads_in_the_hub_schema(serve_tokenizer):
 def test_bad_rl_params_fail_before_any_work(tmp_path):
     d = base()
     d["rl"]["samples"] = 1
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
-    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
-    r = subprocess.run([sys.executable, "-m", "pipeline.rl"], cwd=tmp_path, capture_output=True, text=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    r = run_on_params(ROOT, tmp_path, d, "pipeline.rl")
     assert r.returncode != 0 and "rl.samples must be >= 2" in r.stderr
     assert not (tmp_path / "artifacts").exists()
 

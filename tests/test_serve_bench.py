@@ -212,6 +212,24 @@ def test_check_keys_names_what_is_missing_or_not_a_figure(tmp_path):
     assert check([str(f), "tokens_per_s_128", "of_engine_64"]) == 0
 
 
+def test_check_keys_over_several_files_every_value_and_per_variant_figures(tmp_path):
+    """One key in one of the files is enough; every value stored under it must be a figure; a mapping of
+    figures (one per precision) is one only where the caller says so (bench/vs_nanochat.py's `check`)."""
+    from bench.check_keys import check_files, is_figure, problems
+    s = {"median": 1.1, "min": 1.0, "max": 1.2, "n": 3}
+    assert is_figure(s) and is_figure(2) and not is_figure(True) and not is_figure({"median": 1.0})
+    assert not is_figure({"bf16": s}) and is_figure({"bf16": s, "fp8": 1.0}, per_variant=True)
+    assert not is_figure({}, per_variant=True) and not is_figure({"bf16": "x"}, per_variant=True)
+    assert problems([{"a": s}, {"b": 1}], ["a", "b"]) == [] and problems([{"a": s}], ["b"]) == ["b: missing"]
+    assert problems([{"a": s}, {"x": {"a": "n/a"}}], ["a"]) == ["a: not a number or {median, min, max} ('n/a')"]
+    assert problems([{"commit": "abc"}, {"commit": ""}], ["commit"]) == ["commit: not a non-empty string ('')"]
+    (tmp_path / "one.json").write_text(json.dumps({"a": {"bf16": s}, "commit": "abc"}))
+    (tmp_path / "two.json").write_text("{not json")
+    one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+    assert check_files([one], ["a", "commit"]) == 1 and check_files([one], ["a", "commit"], per_variant=True) == 0
+    assert check_files([one, two], ["commit"]) == 1
+
+
 @pytest.mark.slow
 def test_client_benchmark_smoke_on_a_cpu(tmp_path, capsys):
     """bench/serve_client.py end to end at depth 2 on this CPU, one round, one stream, one Poisson rate,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,23 @@ BROWSER_ARGS = [
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
 
 
+@contextmanager
+def chat_page(url: str, width: int):
+    """The chat page in a fresh headless chromium, loaded and ready: (page, its message box); the browser
+    closes after. Screenshots go to ARTIFACTS."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 800})
+            page.goto(url + "/", wait_until="domcontentloaded")
+            box = page.get_by_placeholder("Message sparkchat")
+            box.wait_for(timeout=30_000)
+            yield page, box.element_handle()  # a handle: the placeholder goes later
+        finally:
+            browser.close()
+
+
 @pytest.fixture(scope="module")
 def ui_server(serve_start, serve_model_dir):
     from serve.api import Settings, create_app
@@ -45,74 +63,65 @@ def ui_server(serve_start, serve_model_dir):
 
 
 def test_chat_page_streams_a_reply(ui_server):
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            page.goto(ui_server.url + "/", wait_until="domcontentloaded")
-            page.get_by_placeholder("Message sparkchat").wait_for(timeout=30_000)
-            box = page.get_by_placeholder("Message sparkchat").element_handle()  # the placeholder goes later
-            stop = page.get_by_test_id("stop-button")
+    with chat_page(ui_server.url, 1100) as (page, box):
+        stop = page.get_by_test_id("stop-button")
 
-            def reply(message: str):
-                """Send a message; the reply's element, the lengths its text had on the page, and whether
-                the stop button showed while it was written."""
-                box.fill(message)
-                box.press("Enter")
-                bot = page.locator(".message.bot:not(.pending)").last  # "pending" shows a loading label
-                bot.wait_for(timeout=30_000)
-                lengths, stop_seen = [], False
-                deadline = time.time() + 20
-                while time.time() < deadline:
-                    text = bot.inner_text()
-                    if text.strip() and (not lengths or len(text) != lengths[-1]):
-                        lengths.append(len(text))
-                    stop_seen = stop_seen or stop.is_visible()
-                    if lengths and not stop.is_visible() and (stop_seen or len(lengths) >= 2):
-                        break  # written
-                    time.sleep(0.05)
-                return bot, lengths, stop_seen
-
-            # the tiny random model sometimes answers in a few tokens, partly held back until they make
-            # whole characters, which the page can show at one or two lengths only (CI saw [15, 17] and
-            # [19]): up to three replies, for one long enough to be seen growing
-            for _ in range(3):
-                bot, lengths, stop_seen = reply("Hello! How are you today?")
-                if len(lengths) >= 3:
-                    break
-                page.get_by_label("Clear").first.click()
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
-            final = bot.inner_text()
-
-            # a second message, stopped mid-reply: the engine row is freed at once
-            engine = ui_server.app.state.runtime.engine
-            # 0.3 s a token: the reply's 16 tokens last about 5 s, for the click to land in on a busy machine
-            delay, engine.model.delay = engine.model.delay, 0.3
-            page.get_by_label("Clear").first.click()  # the tiny model's context holds one exchange
-            box.fill("Tell me more.")
+        def reply(message: str):
+            """Send a message; the reply's element, the lengths its text had on the page, and whether
+            the stop button showed while it was written."""
+            box.fill(message)
             box.press("Enter")
-            stop.wait_for(timeout=30_000)
+            bot = page.locator(".message.bot:not(.pending)").last  # "pending" shows a loading label
+            bot.wait_for(timeout=30_000)
+            lengths, stop_seen = [], False
             deadline = time.time() + 20
-            while engine.num_active == 0 and time.time() < deadline:
+            while time.time() < deadline:
+                text = bot.inner_text()
+                if text.strip() and (not lengths or len(text) != lengths[-1]):
+                    lengths.append(len(text))
+                stop_seen = stop_seen or stop.is_visible()
+                if lengths and not stop.is_visible() and (stop_seen or len(lengths) >= 2):
+                    break  # written
+                time.sleep(0.05)
+            return bot, lengths, stop_seen
+
+        # the tiny random model sometimes answers in a few tokens, partly held back until they make
+        # whole characters, which the page can show at one or two lengths only (CI saw [15, 17] and
+        # [19]): up to three replies, for one long enough to be seen growing
+        for _ in range(3):
+            bot, lengths, stop_seen = reply("Hello! How are you today?")
+            if len(lengths) >= 3:
+                break
+            page.get_by_label("Clear").first.click()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
+        final = bot.inner_text()
+
+        # a second message, stopped mid-reply: the engine row is freed at once
+        engine = ui_server.app.state.runtime.engine
+        # 0.3 s a token: the reply's 16 tokens last about 5 s, for the click to land in on a busy machine
+        delay, engine.model.delay = engine.model.delay, 0.3
+        page.get_by_label("Clear").first.click()  # the tiny model's context holds one exchange
+        box.fill("Tell me more.")
+        box.press("Enter")
+        stop.wait_for(timeout=30_000)
+        deadline = time.time() + 20
+        while engine.num_active == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.num_active == 1
+        # record (not replace) the engine's cancel, with whether the request had already finished:
+        # a cancel of an unfinished request proves the stop button ended the reply, not the reply itself
+        cancels, real_cancel = [], engine.cancel
+        engine.cancel = lambda req: (cancels.append(not req.done), real_cancel(req))[1]
+        try:
+            stop.click()
+            deadline = time.time() + 5
+            while engine.num_active and time.time() < deadline:
                 time.sleep(0.02)
-            assert engine.num_active == 1
-            # record (not replace) the engine's cancel, with whether the request had already finished:
-            # a cancel of an unfinished request proves the stop button ended the reply, not the reply itself
-            cancels, real_cancel = [], engine.cancel
-            engine.cancel = lambda req: (cancels.append(not req.done), real_cancel(req))[1]
-            try:
-                stop.click()
-                deadline = time.time() + 5
-                while engine.num_active and time.time() < deadline:
-                    time.sleep(0.02)
-                stopped_in = 5 - (deadline - time.time())
-            finally:
-                del engine.cancel
-                engine.model.delay = delay
+            stopped_in = 5 - (deadline - time.time())
         finally:
-            browser.close()
+            del engine.cancel
+            engine.model.delay = delay
     assert final.strip(), "no reply appeared"
     assert len(lengths) >= 3, f"the reply did not stream (lengths seen: {lengths})"
     # the visible text grows; it may shrink by a few characters where the sampled text closes a
@@ -136,30 +145,20 @@ def test_a_tool_using_reply_and_the_next_turn(serve_start, conv_tool_model_dir, 
     runtime.open_stream = lambda prompt, *a: (prompts.append(list(prompt)), open_stream(prompt, *a))[1]
     question, trained = conv_tool_chats[1]
     hello = {"role": "user", "content": "Hello!"}
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 800})
-            page.goto(server.url + "/", wait_until="domcontentloaded")
-            box = page.get_by_placeholder("Message sparkchat")
-            box.wait_for(timeout=30_000)
-            box = box.element_handle()
-            for turn, text in enumerate((question["content"], hello["content"]), 1):
-                box.fill(text)
-                box.press("Enter")
-                deadline = time.time() + 30
-                while (len(prompts) < turn or runtime.engine.num_active) and time.time() < deadline:
-                    time.sleep(0.05)
-                page.get_by_test_id("stop-button").wait_for(state="hidden", timeout=30_000)
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(ARTIFACTS / "chat_page_tool.png"), full_page=True)
-            chat = page.locator(".message-wrap")
-            shown = chat.inner_text()
-            headings = chat.locator("h1, h2, h3, h4, h5, h6").count()
-            tool_header = page.get_by_text("12 + 30 → 42").count()
-        finally:
-            browser.close()
+    with chat_page(server.url, 1000) as (page, box):
+        for turn, text in enumerate((question["content"], hello["content"]), 1):
+            box.fill(text)
+            box.press("Enter")
+            deadline = time.time() + 30
+            while (len(prompts) < turn or runtime.engine.num_active) and time.time() < deadline:
+                time.sleep(0.05)
+            page.get_by_test_id("stop-button").wait_for(state="hidden", timeout=30_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "chat_page_tool.png"), full_page=True)
+        chat = page.locator(".message-wrap")
+        shown = chat.inner_text()
+        headings = chat.locator("h1, h2, h3, h4, h5, h6").count()
+        tool_header = page.get_by_text("12 + 30 → 42").count()
     assert "We need 12 + 30 = 42." in shown and "Calculator" in shown and tool_header == 1
     assert "####" not in shown and headings == 0 and "`" not in shown and "42`12" not in shown
     assert prompts[1] == render(serve_tokenizer, [question, trained, hello], for_completion=True)[0]

@@ -51,20 +51,27 @@ def test_nanochat_lines_are_read():
     assert rec["evals"] == [[0, 3.21], [2, 2.9]]
 
 
-def test_check_reads_every_required_key(tmp_path):
+def test_check_reads_every_required_key(tmp_path, capsys):
+    """`check` is bench/check_keys.py over the runs' files together, per-precision mappings counting as figures."""
     spread = {"median": 1.1, "min": 1.0, "max": 1.2, "n": 3}
     d12 = {"commit": "abc1234", "date": "2026-12-07T21:00:00+00:00", "steps": 1000,
            "over_nanochat_tokens_per_s": {"bf16": spread, "fp8": spread}, "fp8_loss_gap_pct": spread}
     (tmp_path / "d12.json").write_text(json.dumps(d12))
-    assert vs.check([str(tmp_path / "d12.json")]) == [f"fp8_over_bf16_whole_step_d20: in none of {tmp_path / 'd12.json'}"]
+
+    def check(*names):
+        with pytest.raises(SystemExit) as e:
+            vs.main(["check"] + [str(tmp_path / n) for n in names])
+        return e.value.code, capsys.readouterr().err
+
+    code, err = check("d12.json")
+    assert code == 1 and err == f"{tmp_path / 'd12.json'}: fp8_over_bf16_whole_step_d20: missing\n"
     d20 = dict(d12, fp8_over_bf16_whole_step_d20=spread)
     (tmp_path / "d20.json").write_text(json.dumps(d20))
-    assert vs.check([str(tmp_path / "d12.json"), str(tmp_path / "d20.json")]) == []
+    assert check("d12.json", "d20.json") == (0, "")
     bad = dict(d20, fp8_loss_gap_pct="small", commit="")
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    problems = vs.check([str(tmp_path / "bad.json")])
-    assert any(p.startswith("fp8_loss_gap_pct: not a number") for p in problems)
-    assert "commit: not a string in every place" in problems
+    code, err = check("d12.json", "bad.json")  # every file's value must pass, not one of them
+    assert code == 1 and "fp8_loss_gap_pct: not a number" in err and "commit: not a non-empty string ('')" in err
 
 
 @pytest.mark.slow

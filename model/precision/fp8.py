@@ -310,27 +310,39 @@ def _fusable_mlp(module: nn.Module) -> bool:
         isinstance(c, Fp8Linear) and c.cast_kernel and c.bias is None for c in children)
 
 
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
+FP8_GPUS = "Ada L4/L40/RTX 40xx, Hopper H100/H200, Blackwell"
+
+
+def unavailable_reason(device, what: str, instead: str, cpu_runs: bool) -> str | None:
+    """The one FP8 capability check (training's `fp8` backend here, serving's FP8 weights in
+    fp8_weights.py): None when FP8 products run on `device`, else why `what` cannot, ending with `instead`
+    (what runs instead). `cpu_runs`: the caller's CPU path (dequantised products, no speedup) counts."""
+    device = torch.device(device)
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no float8 dtypes / torch._scaled_mm (needs torch >= 2.5)"
+    if device.type == "cpu" and cpu_runs:
+        return None
+    major, minor = MIN_CAPABILITY
+    need = f"a CUDA GPU with FP8 tensor cores (sm_{major}{minor}+, compute capability {major}.{minor} or higher: {FP8_GPUS})"
+    if device.type != "cuda":
+        return f"{what} needs {need}{' or a CPU' if cpu_runs else ''}, not on {device.type}: {instead}"
+    cap = base.cuda_capability(device)
+    if cap is None:
+        return "CUDA is not available"
+    if cap < MIN_CAPABILITY:
+        return f"{what} needs {need}; this GPU is {sm(cap)}: {instead}"
+    return None
+
+
 class Fp8Backend(PrecisionBackend):
     """Options: `Fp8Options` (params `precision.fp8`), each explained in this file's docstring."""
     name = "fp8"
-    MIN_CAPABILITY = (8, 9)
     options: Fp8Options
 
     def unavailable_reason(self, device):
-        device = torch.device(device)
-        if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-            return f"this torch ({torch.__version__}) has no float8 dtypes / torch._scaled_mm (needs torch >= 2.5)"
-        if device.type == "cpu":
-            return None  # the casts as on a GPU, the products in fp32 (scaled_mm): no speedup
-        if device.type != "cuda":
-            return f"native FP8 runs on CUDA (sm_89+) or CPU, not on {device.type}"
-        cap = base.cuda_capability(device)
-        if cap is None:
-            return "CUDA is not available"
-        if cap < self.MIN_CAPABILITY:
-            return (f"FP8 tensor cores need compute capability 8.9 or higher (Ada L4/L40/RTX 40xx, Hopper H100/H200, "
-                    f"Blackwell); this GPU is {sm(cap)}. fp8-emulated shows the same numerics here, without speedup")
-        return None
+        # on a CPU: the casts as on a GPU, the products in fp32 (scaled_mm): no speedup
+        return unavailable_reason(device, "native FP8", "fp8-emulated shows the same numerics here, without speedup", cpu_runs=True)
 
     def notes(self, device):
         if torch.device(device).type == "cpu":

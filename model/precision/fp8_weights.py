@@ -42,9 +42,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import base
-from .base import BackendUnavailable, sm, swap_linears
+from .base import BackendUnavailable, swap_linears
 from .formats import E4M3, fp8_scale, scaled_cast
-from .fp8 import Fp8Backend, scaled_mm
+from . import fp8
+from .fp8 import scaled_mm
 from .fp8_cast import triton_available
 from .options import SERVE_WEIGHTS, LayerFilter
 
@@ -52,22 +53,11 @@ WEIGHT_ONLY_MAX_ROWS = 16  # calls of up to this many rows take the weight-only 
 
 
 def unavailable_reason(device) -> str | None:
-    """None when FP8 weights can serve on `device`, else why not and what to do instead."""
-    device = torch.device(device)
-    need = f"sm_{Fp8Backend.MIN_CAPABILITY[0]}{Fp8Backend.MIN_CAPABILITY[1]}"
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-        return f"this torch ({torch.__version__}) has no float8 dtypes / torch._scaled_mm (needs torch >= 2.5)"
-    if device.type != "cuda":
-        return (f"FP8 weights serve on a CUDA GPU with FP8 tensor cores ({need}+: Ada, Hopper, Blackwell), not on "
-                f"{device.type}: a CPU would only dequantise them again, slower than the default; serve with "
-                f"--weights bf16 (the default)")
-    cap = base.cuda_capability(device)
-    if cap is None:
-        return "CUDA is not available"
-    if cap < Fp8Backend.MIN_CAPABILITY:
-        return (f"FP8 weights need FP8 tensor cores (compute capability {need}+: Ada L4/L40/RTX 40xx, Hopper "
-                f"H100/H200, Blackwell); this GPU is {sm(cap)}: serve with --weights bf16 (the default)")
-    return None
+    """None when FP8 weights can serve on `device`, else why not and what to do instead (fp8.py's check:
+    a CPU does not count, it would only dequantise the weights again, slower than the default)."""
+    cpu = torch.device(device).type == "cpu"
+    return fp8.unavailable_reason(device, "serving FP8 weights", "serve with --weights bf16 (the default)" + (
+        "; on a CPU FP8 weights are only dequantised again, slower" if cpu else ""), cpu_runs=False)
 
 
 def check(device) -> None:
