@@ -15,6 +15,7 @@ import warnings
 import torch
 from tqdm import tqdm
 
+from . import gpt
 from .gpt import KVCache
 from .sampling import (N_SETTINGS, RANKED_K, TEMPERATURE, TOP_K, TOP_P, UNIFORM, ExtrasBuffers, extras_step, sample,
                        top_k_bound)
@@ -83,6 +84,9 @@ class DecodeGraphs:
             # (bench/results/serving.md, "The cache read by FlexAttention"), past which a block runs uncompiled (and
             # FlexAttention as its reference: `KVCache`)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            # a one-row step's Linears as Inductor reductions, their neighbours fused in: 1.06x a d20 step
+            # at one stream on an H100 (bench/results/serving.md, "One decode step")
+            gpt.ROW_PRODUCTS = True
             for block in model.blocks:
                 block.compile(dynamic=True)
             model.head = torch.compile(model.head, dynamic=True)
