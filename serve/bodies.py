@@ -83,12 +83,22 @@ class OffLoopRoute(APIRoute):
             return handler
 
         async def route(request: Request):
-            request = _ParsedRequest(request.scope, request.receive)
+            # read on the request the exception handlers get, so that they find it too (serve.errors)
             raw = await request.body()
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": raw, "more_body": False}
+                return await request.receive()  # (a client's disconnect)
+
+            parsed_request = _ParsedRequest(request.scope, replay)
             if len(raw) > INLINE_BYTES and is_json(request.headers.get("content-type")):
                 parsed, errors = await off_loop(request, _parse, field, raw)
                 if errors:
                     raise RequestValidationError(errors, body=parsed)
-                request.parsed = parsed
-            return await handler(request)
+                parsed_request.parsed = parsed
+            return await handler(parsed_request)
         return route
