@@ -21,6 +21,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import gradio as gr
 from fastapi import FastAPI
@@ -228,6 +229,8 @@ def _client_error(exc: BaseException) -> tuple[int, str] | None:
 # the calls that carry a function's inputs as a list `data`: by API name (call: the simple format, which
 # may leave out inputs hidden from the API) or by index (queue/join, the page's own)
 DATA_CALL = re.compile(rf"^{API_PREFIX}/(?:(call|run|api)/([^/]+)|queue/join)/?$")
+# the event streams: a call's by its event id, the page's by its session
+EVENT_STREAM = re.compile(rf"^{API_PREFIX}/(?:call/[^/]+/([^/]+)|queue/data)/?$")
 
 
 def data_count_error(page: gr.Blocks, path: str, body: bytes) -> str | None:
@@ -257,13 +260,32 @@ def data_count_error(page: gr.Blocks, path: str, body: bytes) -> str | None:
             f"{fn.api_name or fn.name} takes {' or '.join(map(str, sorted(counts)))}")
 
 
+def unknown_stream(page: gr.Blocks, path: str, query: str) -> str | None:
+    """What an event stream names that the queue does not hold (Gradio's own test, made before its
+    stream starts: it answers such a stream 200 and then an error event); None when it holds it, or when
+    the request names none (Gradio refuses that itself)."""
+    m = EVENT_STREAM.match(path)
+    queue = page._queue
+    if m and m.group(1) is not None:
+        event_id = m.group(1)
+        event = queue.event_ids_to_events.get(event_id)
+        session = event.session_hash if event is not None else next(
+            (s for s, ids in queue.pending_event_ids_session.items() if event_id in ids), event_id)
+        return None if session in queue.pending_messages_per_session else f"unknown event id {event_id!r}"
+    session = parse_qs(query).get("session_hash", [None])[0] if m else None
+    if session is None or session in queue.pending_messages_per_session:
+        return None
+    return f"unknown session {session!r}"
+
+
 class GradioGuard:
-    """ASGI middleware over the chat page's own API (/gradio_api/...): a call whose `data` does not fit
-    its function gets a 400 saying so before Gradio sees it (data_count_error), and a call that Gradio
-    fails on with a client's mistake (_client_error) is answered with a 4xx and the reason, logged in one
-    line, instead of a 500 and a traceback. Gradio's app answers 500 itself before the error reaches
-    here, so a 500's start is held until its body comes or the error does. A reply already begun (an
-    event stream) just ends."""
+    """ASGI middleware over the chat page's own API (/gradio_api/...), for logged-in calls: one whose
+    `data` does not fit its function gets a 400 saying so before Gradio sees it (data_count_error), an
+    event stream of an unknown event or session a 404 (unknown_stream). A call that Gradio fails on with
+    a client's mistake (_client_error) is answered with a 4xx and the reason, logged in one line,
+    instead of a 500 and a traceback. Gradio's app answers 500 itself before the error reaches here, so
+    a 500's start is held until its body comes or the error does. A reply already begun (an event
+    stream) just ends."""
 
     def __init__(self, app, gradio_app):
         self.app, self.gradio = app, gradio_app
@@ -311,6 +333,11 @@ class GradioGuard:
             receive = await self._data_checked(scope, receive, send)
             if receive is None:
                 return
+        if scope["method"] == "GET" and EVENT_STREAM.match(scope["path"]) and self._logged_in(scope):
+            why = unknown_stream(self.gradio.get_blocks(), scope["path"], scope["query_string"].decode("latin-1"))
+            if why is not None:
+                log.info("refused a chat page call to %s with 404: %s", scope["path"], why)
+                return await error_response(404, f"The call to {scope['path']} was refused: {why}")(scope, receive, send)
         started, held = False, []  # held: a 500's messages
 
         async def watched(message):

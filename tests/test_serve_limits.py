@@ -279,7 +279,8 @@ def test_malformed_chat_page_calls_are_refused_with_a_4xx(serve_model_dir, caplo
     """Logged-in calls to the chat page's own API that Gradio fails on (data not of the endpoint's shape or
     count, unknown endpoints and function indexes): a 4xx naming the call, no 500, no ERROR logged. Too
     few or too many values in `data` are refused before Gradio runs the call (it failed on too few with a
-    500 and a traceback, or after a 200 in the event stream); without the login, Gradio's 401 comes first."""
+    500 and a traceback, or after a 200 in the event stream), and an unknown event or session is a 404
+    (it was a 200 and an error event); without the login, Gradio's 401 comes first."""
     from fastapi.testclient import TestClient
 
     from serve.api import Settings, create_app
@@ -305,4 +306,10 @@ def test_malformed_chat_page_calls_are_refused_with_a_4xx(serve_model_dir, caplo
             message = r.json()["error"]["message"]
             assert r.status_code == 400 and f"`data` holds {len(body['data'])} value" in message, r.text
             assert "respond takes " in message and message.endswith(str(len(respond["inputs"]))), message
+        for path in ("/gradio_api/call/respond/nosuch", "/gradio_api/queue/data?session_hash=nosuch"):
+            r = client.get(path)
+            assert r.status_code == 404 and "unknown " in r.json()["error"]["message"], (path, r.text)
+        event = client.post("/gradio_api/call/v2/respond", json={"message": "Hi"}).json()["event_id"]
+        with client.stream("GET", f"/gradio_api/call/respond/{event}") as r:  # a known one streams
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
