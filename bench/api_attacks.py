@@ -1,20 +1,24 @@
 """/health's latency while hostile or broken clients hit the server, against an idle server's.
 
 One `python -m serve` (its own processes, one front end, under `ulimit -n 1024` as many hosts start a
-service), and for each attack a prober that GETs /health on a fresh connection every 20 ms while the
-attack runs for `--seconds`: its p50 and p99 latency, and what it got (200, a 503 with Retry-After, or
-no answer). The attacks are the ones issue 58 found holding the event loop or the descriptors:
+service), and for each attack (sent from a process of its own) a prober that GETs /health on a fresh
+connection every 20 ms while the attack runs for `--seconds`: its p50 and p99 latency, and what it got
+(200, a 503 with Retry-After, or no answer). The attacks are the ones issue 58 found holding the event loop or the descriptors:
 
     idle          nothing (the reference, measured in each round)
     header_64mb   GET /health with one 64 MB header, again and again
     headers_10k   requests of 10,000 headers, again and again
     slow_1100     1,100 connections that send nothing or half a head, held open
     ids_300k      four /v1/completions prompts of 300,000 token ids at once (0.9 MB each), again and again
+    ids_300k_stream  the same beside a streamed completion, one after another: also the stream's longest
+                  wait between two events
     turns_10k     a chat of 10,000 turns, again and again
     bias_60k      a logit_bias of 60,000 entries, again and again
 
 Each round runs every attack once, in this order; the figure is the median of `--rounds` rounds with
-its range, and p99 / idle p99 within each round.
+its range, and p99 / idle p99 within each round. `--against TREE` starts a second server from another
+tree (a checkout of the code before a change) and attacks it right after this tree's in each round,
+so both are measured under the same load; its figures go under `against`.
 
     python -m bench.api_attacks --random-init 4 --out bench/results/api-robustness/attacks.json
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import resource
 import signal
@@ -43,7 +48,8 @@ from bench.serve import free_port, random_model_dir  # noqa: E402
 from bench.stats import fmt, ratios, save_json, spread  # noqa: E402
 from sparkchat import paths  # noqa: E402
 
-ATTACKS = ["idle", "header_64mb", "headers_10k", "slow_1100", "ids_300k", "turns_10k", "bias_60k"]
+ATTACKS = ["idle", "header_64mb", "headers_10k", "slow_1100", "ids_300k", "ids_300k_stream", "turns_10k",
+           "bias_60k"]
 PROBE_EVERY_S = 0.02
 
 
@@ -51,12 +57,13 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
-def start_server(model_dir: Path, log) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, log, tree: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`python -m serve` of `tree`'s code."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("SPARKCHAT_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--device", "cpu", "--no-ui", "--no-access-log"], cwd=ROOT, env=env, stdout=log,
+                             "--device", "cpu", "--no-ui", "--no-access-log"], cwd=tree, env=env, stdout=log,
                             stderr=subprocess.STDOUT, preexec_fn=_low_fd_limit, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -95,17 +102,36 @@ def _send_head(port: int, head: bytes) -> None:
         pass  # refused mid-send: what the server should do
 
 
-def _post(url: str, path: str, body: dict) -> None:
+def _post(url: str, path: str, body: bytes) -> None:
     try:
-        httpx.post(url + path, content=json.dumps(body).encode(), timeout=60,
-                   headers={"content-type": "application/json"})
+        httpx.post(url + path, content=body, timeout=60, headers={"content-type": "application/json"})
     except httpx.HTTPError:
         pass
 
 
-def attack(name: str, url: str, stop: threading.Event) -> None:
-    """Run attack `name` against `url` until `stop`."""
+def stream(url: str, stop: threading.Event, gaps: list) -> None:
+    """Streamed completions one after another until `stop`: the seconds between two events of a stream."""
+    while not stop.is_set():
+        last = None
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": "sparkchat", "prompt": "Once upon a time", "max_tokens": 100, "stream": True}) as r:
+                for line in r.iter_lines():
+                    now = time.perf_counter()
+                    if line.startswith("data: {"):
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+        except httpx.HTTPError:
+            pass
+
+
+def attack(name: str, url: str, stop, ready) -> None:
+    """Run attack `name` against `url` until `stop` (set `ready` when it starts). In a process of its own,
+    so that the attackers' work (sending 0.9 MB bodies from four threads) takes nothing of the probes'
+    GIL: what they measure is the server."""
     port = int(url.rsplit(":", 1)[1])
+    ready.set()
     if name == "idle":
         stop.wait()
     elif name == "header_64mb":
@@ -130,6 +156,7 @@ def attack(name: str, url: str, stop: threading.Event) -> None:
         for s in held:
             s.close()
     else:
+        name = name.removesuffix("_stream")  # (the stream runs beside the probes: `one`)
         path, body = {
             "ids_300k": ("/v1/completions", {"model": "sparkchat", "prompt": [1 + i % 9 for i in range(300_000)]}),
             "turns_10k": ("/v1/chat/completions", {"model": "sparkchat", "messages": [
@@ -137,11 +164,11 @@ def attack(name: str, url: str, stop: threading.Event) -> None:
             "bias_60k": ("/v1/chat/completions", {"model": "sparkchat", "max_tokens": 1, "messages": [
                 {"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(60_000)}}),
         }[name]
-        senders = 4 if name == "ids_300k" else 1
+        senders, raw = 4 if name == "ids_300k" else 1, json.dumps(body).encode()
 
         def send():
             while not stop.is_set():
-                _post(url, path, body)
+                _post(url, path, raw)
 
         threads = [threading.Thread(target=send) for _ in range(senders)]
         for t in threads:
@@ -156,22 +183,56 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def one(name: str, url: str, seconds: float) -> dict:
-    stop, samples = threading.Event(), []
-    attacker = threading.Thread(target=attack, args=(name, url, stop))
+    spawn = multiprocessing.get_context("spawn")
+    stop_attack, ready = spawn.Event(), spawn.Event()
+    attacker = spawn.Process(target=attack, args=(name, url, stop_attack, ready))
     attacker.start()
+    if not ready.wait(60):
+        sys.exit(f"the attacker of {name} did not start")
+    stop, samples, gaps = threading.Event(), [], []
+    streamer = threading.Thread(target=stream, args=(url, stop, gaps)) if name.endswith("_stream") else None
+    if streamer is not None:
+        streamer.start()
     time.sleep(0.5 if name == "slow_1100" else 0.2)  # (the attack under way before the probes)
     prober = threading.Thread(target=probe, args=(url, stop, samples))
     prober.start()
     time.sleep(seconds)
     stop.set()
-    prober.join()
-    attacker.join()
+    stop_attack.set()
+    for t in (prober, streamer):
+        if t is not None:
+            t.join()
+    attacker.join(60)
     answered = [t for t, got in samples if got[0].isdigit()]
     outcomes: dict[str, int] = {}
     for _, got in samples:
         outcomes[got] = outcomes.get(got, 0) + 1
     return {"p50_s": percentile(answered, 0.5), "p99_s": percentile(answered, 0.99), "probes": len(samples),
-            "outcomes": outcomes}
+            "outcomes": outcomes, **({"stream_gap_max_s": max(gaps), "stream_events": len(gaps)} if gaps else {})}
+
+
+def summarise(rounds: list[dict], names: list[str], label: str = "") -> dict:
+    """Each attack's p50 and p99 (ms), p99 over the idle p99 of the same round, and a stream's longest
+    wait: the median of the rounds with its range."""
+    summary = {}
+    for name in names:
+        p99 = [rd[name]["p99_s"] * 1e3 for rd in rounds]
+        summary[name] = {"p99_ms": spread(p99), "p50_ms": spread([rd[name]["p50_s"] * 1e3 for rd in rounds]),
+                         "p99_over_idle": spread(ratios(p99, [rd["idle"]["p99_s"] * 1e3 for rd in rounds]))
+                         if "idle" in names else None}
+        if all("stream_gap_max_s" in rd[name] for rd in rounds):
+            summary[name]["stream_gap_max_ms"] = spread([rd[name]["stream_gap_max_s"] * 1e3 for rd in rounds])
+        print(f"{label}{name:16s} p99 {fmt(summary[name]['p99_ms'], '.1f', ' ms')}"
+              + (f"  x idle {fmt(summary[name]['p99_over_idle'], '.2f')}" if "idle" in names else "")
+              + (f"  stream's longest wait {fmt(summary[name]['stream_gap_max_ms'], '.1f', ' ms')}"
+                 if "stream_gap_max_ms" in summary[name] else ""))
+    return summary
+
+
+def tree_commit(tree: Path) -> str | None:
+    """The commit `tree` is checked out at, when it is a git checkout (an exported tree: None)."""
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 and (tree / ".git").exists() else None
 
 
 def main() -> None:
@@ -181,38 +242,41 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0, help="each attack's length (default: %(default)s)")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--against", type=Path, metavar="TREE", help="also attack a server of this tree's code, in turn")
+    ap.add_argument("--against-commit", help="the commit TREE holds, for the raw file (a git checkout's is read)")
     ap.add_argument("--out", help="raw JSON here")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # (the slow clients' 1,100 descriptors)
     names = args.attacks.split(",")
+    trees = {"this": ROOT, **({"against": args.against.resolve()} if args.against else {})}
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
         model = random_model_dir(args.random_init, Path(tmp) / "model") if args.random_init else Path(args.model)
-        proc, url = start_server(model, log)
-        rounds = []
+        servers = {side: start_server(model, log, tree) for side, tree in trees.items()}
+        rounds: dict[str, list] = {side: [] for side in trees}
         try:
             for r in range(args.rounds):
-                res = {}
+                res: dict[str, dict] = {side: {} for side in trees}
                 for name in names:
-                    res[name] = one(name, url, args.seconds)
-                    time.sleep(4)  # the slow clients' and refusals' connections closed before the next
-                    print(f"round {r + 1} {name:12s} p50 {res[name]['p50_s'] * 1e3:8.1f} ms  p99 "
-                          f"{res[name]['p99_s'] * 1e3:8.1f} ms  {res[name]['outcomes']}", flush=True)
-                rounds.append(res)
+                    for side, (_, url) in servers.items():
+                        got = res[side][name] = one(name, url, args.seconds)
+                        time.sleep(4)  # the slow clients' and refusals' connections closed before the next
+                        print(f"round {r + 1} {side:7s} {name:16s} p50 {got['p50_s'] * 1e3:8.1f} ms  p99 "
+                              f"{got['p99_s'] * 1e3:8.1f} ms  {got['outcomes']}", flush=True)
+                for side in trees:
+                    rounds[side].append(res[side])
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-        summary = {}
-        for name in names:
-            p99 = [rd[name]["p99_s"] * 1e3 for rd in rounds]
-            summary[name] = {"p99_ms": spread(p99), "p50_ms": spread([rd[name]["p50_s"] * 1e3 for rd in rounds]),
-                             "p99_over_idle": spread(ratios(p99, [rd["idle"]["p99_s"] * 1e3 for rd in rounds]))
-                             if "idle" in names else None}
-            print(f"{name:12s} p99 {fmt(summary[name]['p99_ms'], '.1f', ' ms')}"
-                  + (f"  x idle {fmt(summary[name]['p99_over_idle'], '.2f')}" if "idle" in names else ""))
-    save_json({"command": "python -m bench.api_attacks " + " ".join(sys.argv[1:]), "model": str(args.model)
-               if not args.random_init else f"random d{args.random_init}", "rounds": rounds, "summary": summary},
-              args.out)
+            for proc, _ in servers.values():
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(60)
+        summary = {side: summarise(rounds[side], names, f"{side:7s} ") for side in trees}
+    out = {"command": "python -m bench.api_attacks " + " ".join(sys.argv[1:]), "model": str(args.model)
+           if not args.random_init else f"random d{args.random_init}", "rounds": rounds["this"],
+           "summary": summary["this"]}
+    if args.against:
+        out["against"] = {"tree": str(args.against), "commit": args.against_commit or tree_commit(trees["against"]),
+                          "rounds": rounds["against"], "summary": summary["against"]}
+    save_json(out, args.out)
 
 
 if __name__ == "__main__":

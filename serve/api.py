@@ -26,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from . import completions, errors, responses, serving
+from .bodies import INLINE_BYTES, OffLoopRoute, body_worker, off_loop
 from .errors import APIError, engine_stalled, engine_stopped
 from .guard import V1Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -73,11 +74,10 @@ def get_runtime(request: Request) -> Runtime:
     return runtime
 
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # (a large body is decoded and validated off the loop)
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with `stream`, server-sent events"}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-INLINE_CHECK_BYTES = 16 * 1024  # a body this small is checked on the loop (a few ms of tokenizing at most)
 
 
 async def answer(endpoint, body, request: Request):
@@ -85,11 +85,11 @@ async def answer(endpoint, body, request: Request):
     beyond its schema (errors are HTTP errors, before any stream starts), then gives the whole response
     or, with `stream`, its server-sent events."""
     runtime = get_runtime(request)
-    # a large prompt is rendered and tokenized off the loop, so that it holds up no other client's
-    # stream; a small one here, where a hop to a thread would cost more than the work. The body's size
-    # is the one FastAPI read (cached), so a chunked body without a Content-Length is measured too.
-    if len(await request.body()) > INLINE_CHECK_BYTES:
-        checked = await asyncio.to_thread(endpoint.check, body, runtime)
+    # a large prompt is rendered and tokenized on the body thread (serve.bodies), so that it holds up no
+    # other client's stream. The body's size is the one FastAPI read (cached), so a chunked body without
+    # a Content-Length is measured too.
+    if len(await request.body()) > INLINE_BYTES:
+        checked = await off_loop(request, endpoint.check, body, runtime)
     else:
         checked = endpoint.check(body, runtime)
     if body.stream:
@@ -194,6 +194,7 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.body_worker = body_worker()  # (a new one each start: the last stop shut the old one)
         thread = _load_in_background(app, load)
         if not settings.serve_while_loading:  # uvicorn takes no connection until this start returns
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
@@ -201,12 +202,14 @@ def create_app(settings: Settings, loader: Callable[[Metrics], Runtime] | None =
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+            app.state.body_worker.shutdown(wait=False, cancel_futures=True)
             if app.state.runtime is not None:
                 app.state.runtime.close()
 
     app = App(title="sparkchat", version="0.1.0", lifespan=lifespan)
     app.state.settings, app.state.metrics = settings, metrics
     app.state.runtime, app.state.load_error = None, None
+    app.state.body_worker = body_worker()
     app.state.on_engine_lost = None  # called with the reason when the channel to the engine ends
     app.state.on_ready = None  # called once the engine is reached (the supervisor's restart limit)
     app.state.started = int(time.time())

@@ -6,6 +6,7 @@ so a client never sees a bare 422 or an HTML 404, and bad input never becomes a 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from fastapi import FastAPI, Request
@@ -160,13 +161,25 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, message, param, "invalid_value")
 
 
-def _unparsed(cause: BaseException | None) -> str:
-    """Why FastAPI could not parse a body (its 400 keeps the reason only as the cause)."""
+def _long_integer_key(body: bytes) -> str | None:
+    """The key whose value is the first integer of too many digits in `body`, when it is an object's
+    member (json's error says neither where nor which)."""
+    m = re.search(rb'"((?:[^"\\]|\\.){1,64})"\s*:\s*-?\d{%d}' % (sys.get_int_max_str_digits() + 1), body)
+    return m.group(1).decode("utf-8", "replace") if m else None
+
+
+def _too_many_digits(cause: BaseException | None) -> bool:
+    return isinstance(cause, ValueError) and "digits" in str(cause)  # Python's int limit (CVE-2020-10735)
+
+
+def _unparsed(cause: BaseException | None, body: bytes) -> str:
+    """Why FastAPI could not parse `body` (its 400 keeps the reason only as the cause)."""
     if isinstance(cause, UnicodeDecodeError):
         return f"The request body is not UTF-8 (byte {cause.start}): send JSON, encoded as UTF-8"
-    if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's int limit (CVE-2020-10735)
-        return (f"The request body could not be read as JSON: it holds an integer of over "
-                f"{sys.get_int_max_str_digits()} digits")
+    if _too_many_digits(cause):
+        key = _long_integer_key(body)
+        return (f"The request body could not be read as JSON: {f'{key!r} is' if key else 'it holds'} an integer "
+                f"of over {sys.get_int_max_str_digits()} digits")
     if isinstance(cause, ValueError):
         return f"The request body could not be read as JSON: {cause}"
     return "The request body could not be read: send JSON, encoded as UTF-8"
@@ -190,8 +203,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        messages = {404: f"Unknown URL {request.url.path}", 405: f"Method {request.method} is not allowed",
-                    400: _unparsed(exc.__cause__)}  # FastAPI's parse error
+        messages = {404: f"Unknown URL {request.url.path}", 405: f"Method {request.method} is not allowed"}
+        if exc.status_code == 400:  # FastAPI's parse error (its body read already, and so kept: the one case read)
+            messages[400] = _unparsed(exc.__cause__, await request.body() if _too_many_digits(exc.__cause__) else b"")
         return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)),
                               headers=getattr(exc, "headers", None))
 

@@ -19,12 +19,16 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import gradio as gr
 from fastapi import FastAPI
 from gradio.route_utils import API_PREFIX, FnIndexInferError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Mount
 
 from .errors import error_response
 
@@ -222,18 +226,118 @@ def _client_error(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
-class GradioGuard:
-    """ASGI middleware over the chat page's own API (/gradio_api/...): a call that Gradio fails on with a
-    client's mistake (_client_error) is answered with a 4xx and the reason, logged in one line, instead of
-    a 500 and a traceback. Gradio's app answers 500 itself before the error reaches here, so a 500's start
-    is held until its body comes or the error does. A reply already begun (an event stream) just ends."""
+# the calls that carry a function's inputs as a list `data`: by API name (call: the simple format, which
+# may leave out inputs hidden from the API) or by index (queue/join, the page's own)
+DATA_CALL = re.compile(rf"^{API_PREFIX}/(?:(call|run|api)/([^/]+)|queue/join)/?$")
+# the event streams: a call's by its event id, the page's by its session
+EVENT_STREAM = re.compile(rf"^{API_PREFIX}/(?:call/[^/]+/([^/]+)|queue/data)/?$")
 
-    def __init__(self, app):
-        self.app = app
+
+def data_count_error(page: gr.Blocks, path: str, body: bytes) -> str | None:
+    """Why a call's `data` does not fit its function, by count; None when it does, or when the call is
+    not one to judge here (Gradio's own checks refuse it). Gradio itself fails on too few values only
+    once the call runs (a 500, or an error event after a 200) and drops extra ones."""
+    m = DATA_CALL.match(path)
+    try:
+        call = json.loads(body) if m else None
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("data"), list):
+        return None
+    if m.group(2) is None:
+        index = call.get("fn_index")
+        fn = page.fns.get(index) if isinstance(index, int) else None
+    else:
+        fn = next((f for f in page.fns.values() if f.api_name == m.group(2)), None)
+    if fn is None:
+        return None
+    counts = {len(fn.inputs)}
+    if m.group(1) == "call":
+        counts.add(len([b for b in fn.inputs if not b.skip_api]))
+    if len(call["data"]) in counts:
+        return None
+    return (f"`data` holds {len(call['data'])} value{'s' * (len(call['data']) != 1)}, and "
+            f"{fn.api_name or fn.name} takes {' or '.join(map(str, sorted(counts)))}")
+
+
+def unknown_stream(page: gr.Blocks, path: str, query: str) -> str | None:
+    """What an event stream names that the queue does not hold (Gradio's own test, made before its
+    stream starts: it answers such a stream 200 and then an error event); None when it holds it, or when
+    the request names none (Gradio refuses that itself)."""
+    m = EVENT_STREAM.match(path)
+    queue = page._queue
+    if m and m.group(1) is not None:
+        event_id = m.group(1)
+        event = queue.event_ids_to_events.get(event_id)
+        session = event.session_hash if event is not None else next(
+            (s for s, ids in queue.pending_event_ids_session.items() if event_id in ids), event_id)
+        return None if session in queue.pending_messages_per_session else f"unknown event id {event_id!r}"
+    session = parse_qs(query).get("session_hash", [None])[0] if m else None
+    if session is None or session in queue.pending_messages_per_session:
+        return None
+    return f"unknown session {session!r}"
+
+
+class GradioGuard:
+    """ASGI middleware over the chat page's own API (/gradio_api/...), for logged-in calls: one whose
+    `data` does not fit its function gets a 400 saying so before Gradio sees it (data_count_error), an
+    event stream of an unknown event or session a 404 (unknown_stream). A call that Gradio fails on with
+    a client's mistake (_client_error) is answered with a 4xx and the reason, logged in one line,
+    instead of a 500 and a traceback. Gradio's app answers 500 itself before the error reaches here, so
+    a 500's start is held until its body comes or the error does. A reply already begun (an event
+    stream) just ends."""
+
+    def __init__(self, app, gradio_app):
+        self.app, self.gradio = app, gradio_app
+
+    def _logged_in(self, scope) -> bool:
+        """Whether Gradio lets this call in (its own get_current_user's test): a call that it would refuse
+        with 401 is left to it, so that nothing about the page's functions is told before the login."""
+        g = self.gradio
+        if g.auth is None and g.auth_dependency is None:
+            return True
+        cookies = Request(scope).cookies
+        token = cookies.get(f"access-token-{g.cookie_id}") or cookies.get(f"access-token-unsecure-{g.cookie_id}")
+        return g.tokens.get(token) is not None
+
+    async def _data_checked(self, scope, receive, send):
+        """The call's body read whole, its `data` checked, then replayed to Gradio; None: refused."""
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        why = data_count_error(self.gradio.get_blocks(), scope["path"], body)
+        if why is not None:
+            log.info("refused a chat page call to %s with 400: %s", scope["path"], why)
+            await error_response(400, f"The call to {scope['path']} was refused: {why}")(scope, receive, send)
+            return None
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return replay
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX + "/"):
             return await self.app(scope, receive, send)
+        if scope["method"] == "POST" and DATA_CALL.match(scope["path"]) and self._logged_in(scope):
+            receive = await self._data_checked(scope, receive, send)
+            if receive is None:
+                return
+        if scope["method"] == "GET" and EVENT_STREAM.match(scope["path"]) and self._logged_in(scope):
+            why = unknown_stream(self.gradio.get_blocks(), scope["path"], scope["query_string"].decode("latin-1"))
+            if why is not None:
+                log.info("refused a chat page call to %s with 404: %s", scope["path"], why)
+                return await error_response(404, f"The call to {scope['path']} was refused: {why}")(scope, receive, send)
         started, held = False, []  # held: a 500's messages
 
         async def watched(message):
@@ -278,5 +382,5 @@ def mount_ui(app: FastAPI, settings) -> gr.Blocks:
     # every API stream shares. QUEUE_POLL_S is Gradio's own job poll on Windows: a chat turn that waits that
     # long to start is not seen. Gradio has no public setting for either.
     page._queue.sleep_when_free = page._queue.progress_update_sleep_when_free = QUEUE_POLL_S
-    app.add_middleware(GradioGuard)
+    app.add_middleware(GradioGuard, gradio_app=next(r.app for r in app.routes if isinstance(r, Mount) and r.path == ""))
     return page

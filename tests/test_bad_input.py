@@ -105,12 +105,29 @@ def test_a_body_that_is_not_utf8_is_a_400(server):
 
 
 def test_a_huge_integer_and_a_body_not_sent_as_json_say_what_is_wrong(server):
-    """A 5,000-digit number is past Python's integer limit (not "send UTF-8"); a JSON body sent with
+    """A 5,000-digit number is past Python's integer limit, and the field is named (not "send UTF-8"); a JSON body sent with
     another Content-Type is told to send it as JSON (not "got bytes")."""
     r = httpx.post(server.url + "/v1/completions", headers={"content-type": "application/json"},
                    content=b'{"model": "sparkchat", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}")
-    assert r.status_code == 400 and "integer of over 4300 digits" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "'max_tokens' is an integer of over 4300 digits" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/completions", content=b'{"model": "sparkchat", "prompt": "Hi"}',
                    headers={"content-type": "text/plain"})
     assert r.status_code == 400, r.text
     assert "'Content-Type: application/json' (got 'text/plain')" in r.json()["error"]["message"], r.text
+
+
+PAD = " " * (64 * 1024)  # JSON's whitespace: a body over serve.bodies.INLINE_BYTES, decoded off the loop
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b'{"model": "sparkchat", "prompt": [' + b"1, " * 20_000 + b'-1]}', "Invalid value for 'prompt"),
+    (b'{"model": "sparkchat", "prompt": "Hi",' + PAD.encode() + b'"max_tokens": }', "not valid JSON"),
+    (b'{"model": "sparkchat", "prompt": "Hi",' + PAD.encode() + b'"max_tokens": ' + b"9" * 5000 + b"}",
+     "'max_tokens' is an integer of over 4300 digits"),
+    (b'{"model": "sparkchat", "prompt": "caf\xe9",' + PAD.encode() + b'"max_tokens": 1}', "UTF-8"),
+    (b'{"model": "sparkchat", "prompt": "Hi", "max_tokens": 1, "nosuch": 1}' + PAD.encode(),
+     "Unrecognized request argument supplied: nosuch"),
+])
+def test_a_large_bad_body_says_what_is_wrong_as_a_small_one_does(server, raw, says):
+    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=60, headers={"content-type": "application/json"})
+    assert says in refused(r)["message"], r.text

@@ -325,6 +325,46 @@ def test_four_1mb_prompts_are_refused_without_being_tokenized(serve_start, serve
     assert answered and answered[0] < arrivals[-1], "the large prompts were not answered during the stream"
 
 
+def _on_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_a_large_body_is_decoded_and_validated_off_the_loop(server, monkeypatch):
+    """A body over serve.bodies.INLINE_BYTES is decoded (json.loads) and validated (pydantic, which runs
+    the schemas' whole_text on each field) on the body thread, where no event loop runs; a small one on
+    the loop. Spies on both record which; before, FastAPI did both on the loop for every body."""
+    from serve import schemas
+    from serve.bodies import INLINE_BYTES
+    decoded, validated = [], []
+    loads, whole_text = json.loads, schemas.whole_text
+
+    def loads_spy(s, *args, **kwargs):
+        if isinstance(s, (bytes, str)) and '"prompt"' in (s if isinstance(s, str) else s.decode(errors="replace")):
+            decoded.append((len(s), _on_loop()))
+        return loads(s, *args, **kwargs)
+
+    def whole_text_spy(value):
+        if isinstance(value, list) and len(value) > 1:
+            validated.append((len(value), _on_loop()))
+        return whole_text(value)
+
+    monkeypatch.setattr(json, "loads", loads_spy)
+    monkeypatch.setattr(schemas, "whole_text", whole_text_spy)
+    large, small = list(range(1, 30_001)), [1, 2, 3]
+    for prompt in (large, small):
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "sparkchat", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code in (200, 400), r.text  # (30,000 ids exceed the context: a 400 after validation)
+    assert len(json.dumps({"prompt": large})) > INLINE_BYTES
+    assert decoded and all(not on for n, on in decoded if n > INLINE_BYTES), decoded
+    assert [on for n, on in validated if n == len(large)] == [False], validated
+    assert [on for n, on in decoded if n < INLINE_BYTES] == [True] and [on for n, on in validated if n == 3] == [True]
+
+
 def test_a_failed_generation_is_an_error_not_a_quiet_stop(serve_start, serve_model_dir):
     srv = serve_start(broken_app(serve_model_dir))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
