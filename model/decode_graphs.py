@@ -160,9 +160,12 @@ class DecodeGraphs:
         decodes = [key for rows in self._buckets(1, self.max_batch) for slots in self._buckets(64, self.max_len)
                    for key in ((rows, slots, RANKED_K, False), (rows, slots, 0, False), (rows, slots, 0, True))
                    if key not in self.graphs]
-        with tqdm(total=2 + len(prefills) + len(decodes), desc="engine warm-up: compile, capture graphs",
+        # one row and several: the compiles a step of each takes (an engine of one row has only the first;
+        # two rows' call on its one-row cache wrote past it: a device-side assert on a GPU)
+        batches = [b for b in (1, 2) if b <= self.max_batch]
+        with tqdm(total=len(batches) + len(prefills) + len(decodes), desc="engine warm-up: compile, capture graphs",
                   unit="graph", file=sys.stderr, mininterval=2.0) as bar:
-            for b in (1, 2):
+            for b in batches:
                 self.cache.lengths.zero_()  # kv_len bounds every row's length after the call
                 view = self.cache.view(0, b)
                 self.model(torch.zeros((b, 8), dtype=torch.long, device=self.device), kv_cache=view, kv_len=8)

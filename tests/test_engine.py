@@ -492,15 +492,13 @@ def test_flex_cache_gives_the_sdpa_logits(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
-    """DecodeGraphs' own logic (buckets of rows and slots, rows past the active ones, the first chunk
-    prefilled padded into the scratch row and copied to its row) with each "graph" replayed by running
-    its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
-    batched, greedy and seeded (a real GPT, fp32). The warm-up's progress bar counts every capture.
-    The captured graphs themselves: tests/test_engine_gpu.py."""
+@pytest.fixture
+def replayed_graphs(monkeypatch):
+    """DecodeGraphs on a CPU: each "graph" replayed by running its step again, writing its results into
+    the first run's tensors (a CUDA graph's fixed outputs)."""
     from model.decode_graphs import DecodeGraphs
 
-    class Replay:  # runs the step again and writes its results into the first run's tensors
+    class Replay:
         def __init__(self, step, out):
             self.step, self.out = step, out
 
@@ -516,6 +514,16 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
         return Replay(step, out), out
 
     monkeypatch.setattr(DecodeGraphs, "_graph", graph)
+    return DecodeGraphs
+
+
+def test_graph_paths_give_the_eager_ids_on_cpu(replayed_graphs, capsys):
+    """DecodeGraphs' own logic (buckets of rows and slots, rows past the active ones, the first chunk
+    prefilled padded into the scratch row and copied to its row) with each "graph" replayed by running
+    its step again, so that it runs on a CPU: the same ids as the plain path, one request at a time and
+    batched, greedy and seeded (a real GPT, fp32). The warm-up's progress bar counts every capture.
+    The captured graphs themselves: tests/test_engine_gpu.py."""
+    DecodeGraphs = replayed_graphs
     model = small_gpt()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 20, 40, 5)]  # 40 > the chunk
@@ -537,7 +545,7 @@ def test_graph_paths_give_the_eager_ids_on_cpu(monkeypatch, capsys):
                                  compile_blocks=False)
     engine.start()
     g = engine.graphs
-    total = 2 + len(g.prefills) + len(g.graphs)  # two compile calls, then one per capture
+    total = 2 + len(g.prefills) + len(g.graphs)  # two compile calls (one row, two), then one per capture
     bar = capsys.readouterr().err.split("\r")[-1]
     if not os.environ.get("TQDM_DISABLE"):  # a user's switch for every tqdm bar
         assert bar.startswith("engine warm-up: compile, capture graphs: 100%") and f" {total}/{total} [" in bar, bar
@@ -638,6 +646,24 @@ def test_requests_of_one_prompt_share_its_prefill(engine_factory, serve_model, m
     assert rows == [2]  # one forward, one row for each distinct prompt
     assert results == [ids for ids, _ in alone] and len(set(map(tuple, results[:3]))) == 3
     assert ends[4] == lone_lp[0] and len(ends[4]) == len(prompt) - 1
+
+
+def test_an_engine_of_one_row_warms_its_graphs_up(replayed_graphs):
+    """max_batch 1 (bench/hf_peer.py's engine): the warm-up compiles for one row only; a call of two rows
+    on its one-row cache indexed past it (on a GPU, a device-side assert in a later call)."""
+    model = small_gpt()
+    engine = Engine(model, EngineConfig(max_batch=1, prefill_chunk=32, run_ahead=False))
+    engine.graphs = replayed_graphs(model, engine.cache, engine.extras_buffers, 32, compile_blocks=False)
+    engine.start()
+    try:
+        ids = engine.generate([3, 5, 7], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    finally:
+        engine.shutdown()
+    plain = Engine(model, EngineConfig(max_batch=1, run_ahead=False)).start()
+    try:
+        assert ids == plain.generate([3, 5, 7], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    finally:
+        plain.shutdown()
 
 
 def test_row_products_give_the_linear_s_logits(monkeypatch):
