@@ -4,8 +4,8 @@
 # weight products' tiles against bf16 (bench/fp8_gemv.py), then
 # bench/serve_gpu.py: the engine alone and through the HTTP API at 1, 16, 64 and 128 streams, d20
 # shape, bf16, random weights (its flags pass through: "$@"), then bench/serve_client.py: bf16 and fp8
-# weights alternated in each of 3 rounds (an engine and a server each), closed-loop streams and Poisson
-# rates through the openai client beside the engine alone, the floor, transformers at one stream; its
+# weights alternated in each of 3 rounds (an engine and a server each; one after the other on a card
+# under 120 GB), closed-loop streams and Poisson rates through the openai client beside the engine alone, the floor, transformers at one stream; its
 # raw JSON checked for the headline keys (bench/check_keys.py). CLIENT=0 leaves the client run out.
 #   bash bench/gpu/serve.sh [BENCH FLAGS...]     Environment: OUT (/tmp/sparkchat-bench/serve), CLIENT (1).
 #   SPARKCHAT_TRAINED_MODEL=DIR adds a trained model of your own to the FP8 greedy-ids test.
@@ -28,7 +28,18 @@ python3 -m bench.fp8_gemv --out "$OUT/fp8_gemv.json" 2>&1 | grep -v -i warn | te
 python3 -m bench.serve_gpu --http --out "$OUT/serve_gpu.json" "$@" 2>&1 | grep -v -i warn | tee "$OUT/serve_gpu.log"
 if [ "${CLIENT:-1}" != 0 ]; then
   COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  python3 -m bench.serve_client --weights bf16,fp8 --rounds 3 --peer --serve-args=--no-ui --out "$OUT/serve_client_$COMMIT.json" 2>&1 \
-    | grep -v -i warn | tee "$OUT/serve_client.log"
-  python3 -m bench.check_keys "$OUT/serve_client_$COMMIT.json" 2>&1 | tee -a "$OUT/serve_client.log"
+  # bf16 and fp8 side by side hold four d20 caches of 128 x 2,048 slots (an engine and a server each, about
+  # 27 GB a cache): on a card under 120 GB they run one after the other, each with its own raw file
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${MEM:-0}" -ge 120000 ]; then RUNS="bf16,fp8"; else RUNS="bf16 fp8"; fi
+  PEER=--peer
+  FILES=()
+  for w in $RUNS; do
+    f="$OUT/serve_client_${COMMIT}_${w/,/_}.json"
+    python3 -m bench.serve_client --weights "$w" --rounds 3 $PEER --serve-args=--no-ui --out "$f" 2>&1 \
+      | grep -v -i warn | tee -a "$OUT/serve_client.log"
+    FILES+=("$f")
+    PEER=
+  done
+  python3 -m bench.check_keys "${FILES[@]}" 2>&1 | tee -a "$OUT/serve_client.log"
 fi
