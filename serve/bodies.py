@@ -28,6 +28,20 @@ from starlette.requests import Request
 INLINE_BYTES = 16 * 1024  # a body this small is decoded, validated and checked on the loop (a few ms at most)
 
 
+def replayed(body: bytes, receive):
+    """An ASGI `receive` that gives the body already read, whole, once, then the client's own messages
+    (a disconnect): the request goes on as if it had not been read."""
+    given = False
+
+    async def replay():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
 def body_worker() -> ThreadPoolExecutor:
     """A front end's body thread (app.state.body_worker; its lifespan shuts it down)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkchat-body")
@@ -85,16 +99,7 @@ class OffLoopRoute(APIRoute):
         async def route(request: Request):
             # read on the request the exception handlers get, so that they find it too (serve.errors)
             raw = await request.body()
-            replayed = False
-
-            async def replay():
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": raw, "more_body": False}
-                return await request.receive()  # (a client's disconnect)
-
-            parsed_request = _ParsedRequest(request.scope, replay)
+            parsed_request = _ParsedRequest(request.scope, replayed(raw, request.receive))
             if len(raw) > INLINE_BYTES and is_json(request.headers.get("content-type")):
                 parsed, errors = await off_loop(request, _parse, field, raw)
                 if errors:

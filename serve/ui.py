@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Mount
 
+from .bodies import replayed
 from .errors import error_response
 
 from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
@@ -316,15 +317,7 @@ class GradioGuard:
             log.info("refused a chat page call to %s with 400: %s", scope["path"], why)
             await error_response(400, f"The call to {scope['path']} was refused: {why}")(scope, receive, send)
             return None
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-        return replay
+        return replayed(body, receive)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX + "/"):
