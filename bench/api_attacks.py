@@ -49,7 +49,7 @@ from bench.stats import fmt, ratios, save_json, spread  # noqa: E402
 from sparkchat import paths  # noqa: E402
 
 ATTACKS = ["idle", "header_64mb", "headers_10k", "slow_1100", "ids_300k", "ids_300k_stream", "turns_10k",
-           "bias_60k"]
+           "bias_60k", "logprobs_n8"]
 PROBE_EVERY_S = 0.02
 
 
@@ -163,6 +163,9 @@ def attack(name: str, url: str, stop, ready) -> None:
                 {"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(10_001)]}),
             "bias_60k": ("/v1/chat/completions", {"model": "sparkchat", "max_tokens": 1, "messages": [
                 {"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(60_000)}}),
+            # a reply of 8 choices x 128 tokens x 20 alternatives: 20k logprob entries to build and encode
+            "logprobs_n8": ("/v1/chat/completions", {"model": "sparkchat", "n": 8, "max_tokens": 128, "logprobs": True,
+                                                     "top_logprobs": 20, "messages": [{"role": "user", "content": "hi"}]}),
         }[name]
         senders, raw = 4 if name == "ids_300k" else 1, json.dumps(body).encode()
 
