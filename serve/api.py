@@ -95,17 +95,7 @@ async def answer(endpoint, body, request: Request):
     if body.stream:
         events, cancel = await endpoint.stream(body, runtime, checked)
         return EventStream(events, headers=SSE_HEADERS, on_close=cancel)
-    result = await endpoint.complete(body, runtime, checked, request)
-    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None):
-        # up to n x max_tokens x top_logprobs entries: encoded on the body thread, not the loop (and
-        # returned as a Response, which FastAPI does not validate again against the response model)
-        return await off_loop(request, json_response, result)
-    return result
-
-
-def json_response(result) -> Response:
-    """A response model as FastAPI would send it (its fields by alias), encoded here."""
-    return Response(result.model_dump_json(by_alias=True), media_type="application/json")
+    return await endpoint.complete(body, runtime, checked, request)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED)

@@ -495,23 +495,3 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped(serve_model_dir, mon
         assert sum(len(m.ids) for m in steps) == next(f for m in steps for f in m.finished)[3]
     finally:
         engine.shutdown()
-
-
-def test_a_reply_with_logprobs_is_encoded_off_the_loop(server, monkeypatch):
-    """A whole (not streamed) reply with logprobs, up to n x max_tokens x top_logprobs entries, is encoded
-    on the body thread (serve.api.json_response), and reads as the openai client expects; without
-    logprobs FastAPI encodes it as before."""
-    from serve import api
-    where = []
-    encode = api.json_response
-    monkeypatch.setattr(api, "json_response", lambda result: where.append(_on_loop()) or encode(result))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    r = client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=6, n=2, logprobs=True,
-                                       top_logprobs=3, seed=1)
-    assert where == [False]
-    assert len(r.choices) == 2 and all(len(c.logprobs.content[0].top_logprobs) == 3 for c in r.choices)
-    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
-    c = client.completions.create(model="sparkchat", prompt="Hi", max_tokens=4, logprobs=2)
-    assert where == [False, False] and len(c.choices[0].logprobs.tokens) == len(c.choices[0].logprobs.top_logprobs)
-    client.chat.completions.create(model="sparkchat", messages=HI, max_tokens=2)
-    assert where == [False, False]
