@@ -229,3 +229,14 @@ def long_model_dir(tmp_path_factory, serve_tokenizer):
     save_model_dir(path, model.eval(), serve_tokenizer, {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                                          "max_tokens": 16, "tool_use": False})
     return path
+
+
+@pytest.fixture(scope="session")
+def serve_openai_client(serve_start, serve_model_dir):
+    """The official openai client on a server of the session's tiny random model (no UI): for the tests
+    whose replies a grammar shapes, whatever the model would write."""
+    import openai
+
+    from serve.api import Settings, create_app
+    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False, device="cpu")))
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
