@@ -22,8 +22,10 @@ import uuid
 from model.grammar import GrammarError, check_schema, tool_call_grammar
 from model.tools import call_text, has_tools, parse_call
 
+from pydantic import TypeAdapter, ValidationError
+
 from .errors import APIError
-from .schemas import ChatCompletionRequest, ToolCallOut
+from .schemas import ChatCompletionRequest, ToolCallOut, ToolDef
 
 MAX_BIAS_BAN = -100.0  # OpenAI's logit_bias value that bans a token
 
@@ -40,15 +42,10 @@ def check(req: ChatCompletionRequest, runtime) -> None:
     if not has_tools(runtime.tokenizer):
         raise APIError(400, "This model was not trained for function calling (its tokenizer has no tool tokens)",
                        "tools", "unsupported_parameter")
+    problem = functions_problem(req.tools)
+    if problem is not None:
+        raise APIError(400, *problem, "invalid_value")
     names = [t.function.name for t in req.tools]
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise APIError(400, f"tools: the function name '{dup}' is given twice", "tools", "invalid_value")
-    for i, t in enumerate(req.tools):
-        try:
-            check_schema(t.function.parameters or {"type": "object"}, f"tools[{i}].function.parameters")
-        except GrammarError as e:
-            raise APIError(400, str(e), f"tools[{i}].function.parameters", "invalid_value") from None
     if not isinstance(req.tool_choice, (str, type(None))) and req.tool_choice.function.name not in names:
         raise APIError(400, f"tool_choice names the function '{req.tool_choice.function.name}', which is not one of "
                             f"the tools ({', '.join(names)})", "tool_choice", "invalid_value")
@@ -56,6 +53,37 @@ def check(req: ChatCompletionRequest, runtime) -> None:
         raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call",
                        "response_format", "invalid_value")
     grammar(req, runtime)
+
+
+def functions_problem(tools: list[ToolDef], field: str = "tools") -> tuple[str, str] | None:
+    """(message, the field it names) when the definitions cannot be offered together: a name given twice,
+    parameters that are not a schema the grammar engine takes; None when they can."""
+    names = [t.function.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        return f"{field}: the function name '{dup}' is given twice", field
+    for i, t in enumerate(tools):
+        try:
+            check_schema(t.function.parameters or {"type": "object"}, f"{field}[{i}].function.parameters")
+        except GrammarError as e:
+            return str(e), f"{field}[{i}].function.parameters"
+    return None
+
+
+def parse_definitions(raw, field: str) -> list[dict]:
+    """A front end's tools (the chat page's box, the terminal's --tools file): a JSON list of OpenAI `tools`
+    entries, checked as the API checks them, as model.tools renders them ({"name", "parameters"}). Raises
+    ValueError naming `field` (and the entry)."""
+    try:
+        tools = TypeAdapter(list[ToolDef]).validate_python(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        raise ValueError(f"{field}{where}: {err['msg']}") from None
+    problem = functions_problem(tools, field)
+    if problem is not None:
+        raise ValueError(problem[0])
+    return [{"name": t.function.name, "parameters": t.function.parameters} for t in tools]
 
 
 def functions(req: ChatCompletionRequest) -> list[dict] | None:
