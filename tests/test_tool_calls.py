@@ -136,3 +136,25 @@ def test_the_tool_score_counts_right_calls_and_calls_where_none_fits():
     always = [[call_text(it["tools"][0]["name"], {})] for it in items]
     assert tool_tasks.score(items, wrong_args)["tool_call"] == 0.0
     assert tool_tasks.score(items, always)["tool_none"] == 0.0
+
+
+def test_the_tool_failures_say_how_each_reply_failed():
+    from model.tools import call_text
+    from pipeline import tool_tasks
+    items = tool_tasks.generate_eval(40, 3)
+    calls = [it for it in items if it["call"]]
+    nones = [it for it in items if not it["call"]]
+    gold = [[call_text(it["call"]["name"], it["call"]["arguments"])] if it["call"] else [] for it in items]
+    assert tool_tasks.failures(items, gold) == {}
+    other = {it["call"]["name"]: next(t["name"] for t in it["tools"] if t["name"] != it["call"]["name"]) for it in calls}
+    replies = {"no_call": [], "many_calls": gold[0] * 2 if items[0]["call"] else ["x", "y"], "not_a_call": ["{nope"]}
+    for kind, reply in replies.items():
+        assert tool_tasks.outcome(calls[0], reply) == kind
+    assert tool_tasks.outcome(calls[0], [call_text(other[calls[0]["call"]["name"]], {})]) == "wrong_function"
+    assert tool_tasks.outcome(calls[0], [call_text(calls[0]["call"]["name"], {"bogus": 1})]) == "invalid_arguments"
+    price = next(it for it in calls if it["call"]["name"] == "get_price")
+    assert tool_tasks.outcome(price, [call_text("get_price", {"item": "nothing"})]) == "wrong_arguments"
+    assert tool_tasks.outcome(nones[0], gold[items.index(calls[0])]) == "called_when_none_fits"
+    counted = tool_tasks.failures(items, [[] for _ in items])  # no call anywhere: every call item failed so
+    assert sum(n for per in counted.values() for n in per.values()) == len(calls) and "none" not in counted
+    assert all(set(per) == {"no_call"} for per in counted.values())
