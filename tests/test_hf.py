@@ -166,7 +166,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 CALL = {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}
 
 
-def test_chat_template_renders_tools_and_calls_as_render_does(hf_tok, serve_tokenizer):
+def test_chat_template_renders_tools_and_calls_as_render_does(exported, hf_tok, serve_tokenizer):
     """transformers' form of function calling (tools=..., an assistant's tool_calls, tool messages) gives the ids
     render gives for the same conversation in sparkchat's form (functions, call parts, tool messages)."""
     from model.tools import call_text
@@ -192,6 +192,7 @@ def test_chat_template_renders_tools_and_calls_as_render_does(hf_tok, serve_toke
     wire = [dict(convs[2][0][1], tool_calls=[{"type": "function", "function": {
         "name": CALL["name"], "arguments": json.dumps(CALL["arguments"], separators=(",", ":"), ensure_ascii=False)}}])]
     assert tool_template_ids(hf_tok, [convs[2][0][0], *wire, convs[2][0][2]], TOOLS) == want
+    assert "apply_chat_template(messages, tools=[...])" in (exported / "README.md").read_text()  # the card says how
     # a conversation with calls and results but no tools given renders as render renders it
     assert tool_template_ids(hf_tok, convs[2][0], None) == render(serve_tokenizer, convs[2][1], for_completion=True)[0]
 
