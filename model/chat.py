@@ -16,17 +16,19 @@ calls and the closing <|assistant_end|>; 0 on prompts and tool outputs (the engi
 A generated reply has the same structure, and this file is also its one home (`ReplyReader`): the
 reply's ids become its parts, which re-render to the very same ids (history stays as trained), and its
 display, which every front end uses: the assistant's *words* (the text parts, the training data's final
-answer line `#### N` left out) and, apart from them, its *tool uses* (a calculator call and its result).
+answer line `#### N` left out) and, apart from them, its *tool uses* (a calculator call and its result)
+and its *function calls* (a call of a client's function; its result comes back in a later `tool` message).
 
 A tokenizer without the system tokens (nanochat's, in a published NanoChat checkpoint) gets the system
 prompt in front of the first user message, separated by a blank line, as nanochat renders it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .tokenizer import SparkTokenizer, StreamDecoder
-from .tools import has_tools, tools_text
+from .tools import has_tools, parse_call, tools_text
 
 ROLES = ("system", "user", "assistant", "tool")
 PART_TYPES = ("text", "python", "python_output", "call")
@@ -163,6 +165,19 @@ class ToolUse:
         return f"{self.call} → {'(no result)' if self.output is None else self.output}"
 
 
+@dataclass
+class FunctionCall:
+    """One call of a client's function as a reader sees it: the text the model wrote, and the result once the
+    client feeds one back (a front end fills it in; a reply itself holds no result)."""
+    text: str
+    result: str | None = None
+
+    def __str__(self) -> str:  # how every front end shows it: 'get_weather {"city": "Paris"} → 21'
+        call = parse_call(self.text)
+        shown = self.text if call is None else f"{call[0]} {json.dumps(call[1], ensure_ascii=False)}"
+        return shown if self.result is None else f"{shown} → {self.result}"
+
+
 class _Words:
     """Text deltas -> the same deltas with a final answer line left out. A tail that could still become
     `ANSWER_MARKER ...` as the reply's last line is held back until a later newline (it was not the
@@ -190,7 +205,8 @@ class ReplyReader:
     """Reads a reply as it is generated (the ids after <|assistant_start|>, without the stop id).
 
     `push(id)` and, at the end, `finish()` return what to show now, in order: `str` pieces of the
-    assistant's words (never splitting a UTF-8 character) and `ToolUse`s, each once its result is in.
+    assistant's words (never splitting a UTF-8 character), `ToolUse`s, each once its result is in, and
+    `FunctionCall`s, each once its call is complete (also in `function_calls`).
     `parts` is the reply as content parts ({"type": "text" | "python" | "python_output", "text"}), the
     form `render` takes back: rendered after the same prompt they give the ids read, as long as the model
     wrote text as the tokenizer splits it (as it was trained to); control ids other than the tool
@@ -208,6 +224,7 @@ class ReplyReader:
         self._special = set(s.values())
         self.parts: list[dict] = []
         self.tool_uses: list[ToolUse] = []
+        self.function_calls: list[FunctionCall] = []
         self.words = ""
         self._kind, self._ids = "text", []  # the part being read
         self._text: list[str] = []  # a text part's words as decoded (decode(ids) of its ids, in pieces)
@@ -283,6 +300,9 @@ class ReplyReader:
             self._call = text
         elif kind == "python_output" and self._call is not None:
             self._use(out, ToolUse(self._call, text))
+        elif kind == "call":
+            self.function_calls.append(FunctionCall(text))
+            out.append(self.function_calls[-1])
 
     def _settle(self, out: list) -> None:
         """A call followed by anything but its result got none."""
@@ -296,7 +316,7 @@ class ReplyReader:
 
 
 def read_reply(tok: SparkTokenizer, ids: list[int]) -> ReplyReader:
-    """A whole reply read at once: `.parts`, `.words`, `.tool_uses`."""
+    """A whole reply read at once: `.parts`, `.words`, `.tool_uses`, `.function_calls`."""
     reader = ReplyReader(tok)
     for i in ids:
         reader.push(i)

@@ -54,7 +54,7 @@ from .gpt import GPT, GPTConfig
 from .model_info import DEFAULT_GENERATION
 from .model_dir import (CHECKSUMS, WEIGHTS, WEIGHTS_INDEX, ModelDirError, build_model,
                         file_record, portable_state_dict, write_atomic)
-from .tokenizer import SYSTEM_TOKENS, SparkTokenizer
+from .tokenizer import SYSTEM_TOKENS, TOOL_TOKENS, SparkTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -202,18 +202,63 @@ def chat_template(tok: SparkTokenizer) -> str:
     """A Jinja chat template rendering what model.chat.render renders: <|bos|>, each turn between its
     tokens, assistant text, calculator calls (python parts) and their outputs (python_output parts),
     and <|assistant_start|> for add_generation_prompt. Without system tokens (nanochat's tokenizer) a
-    system prompt goes before the first user message, as render does. Bad conversations raise, as render does."""
+    system prompt goes before the first user message, as render does. Bad conversations raise, as render does.
+
+    Function calling as model/tools.py renders it: `tools` (transformers' {"type": "function", "function":
+    {...}} entries, or {"name", "parameters"}) as compact signatures after the system prompt; an assistant
+    message's `tool_calls` (or "call" parts) as compact JSON calls; `tool` messages as results. A call's
+    `arguments` as a dict renders as render does; as a string (OpenAI's wire form), as given."""
     flag = "true" if all(t in tok.special for t in SYSTEM_TOKENS) else "false"
-    return ("{%- set system_tokens = " + flag + " -%}" + r"""
+    tool_flag = "true" if all(t in tok.special for t in TOOL_TOKENS) else "false"
+    return ("{%- set system_tokens = " + flag + " -%}{%- set tool_tokens = " + tool_flag + " -%}" + r"""
 {%- if messages | length == 0 -%}{{ raise_exception('messages must be a non-empty list') }}{%- endif -%}
 {%- macro text_of(content) -%}
   {%- if content is string -%}{{ content }}
   {%- else -%}{%- for part in content -%}
-    {%- if part['type'] not in ['text', 'python', 'python_output'] -%}{{ raise_exception('unsupported content part: ' ~ part['type']) }}{%- endif -%}
+    {%- if part['type'] not in ['text', 'python', 'python_output', 'call'] -%}{{ raise_exception('unsupported content part: ' ~ part['type']) }}{%- endif -%}
     {%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}
   {%- endfor -%}{%- endif -%}
 {%- endmacro -%}
-{%- set ns = namespace(prefix='') -%}
+{#- model/tools.py's signature: name(arg:type,optional?:type), enum values as JSON, list[items] -#}
+{%- macro type_of(schema) -%}
+  {%- set names = {'string': 'str', 'integer': 'int', 'number': 'num', 'boolean': 'bool', 'array': 'list', 'object': 'obj', 'null': 'null'} -%}
+  {%- if schema is not mapping -%}any
+  {%- elif 'enum' in schema -%}{%- for v in schema['enum'] -%}{{ '|' if not loop.first }}{{ v | tojson(ensure_ascii=True, separators=(',', ':')) }}{%- endfor -%}
+  {%- else -%}
+    {%- set t = schema.get('type', 'any') -%}
+    {%- if t is not string and t is iterable -%}{%- for x in t -%}{{ '|' if not loop.first }}{{ names.get(x, x | string) }}{%- endfor -%}
+    {%- elif t == 'array' and schema.get('items') is mapping -%}list[{{ type_of(schema['items']) }}]
+    {%- else -%}{{ names.get(t, t | string) }}
+    {%- endif -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro tools_block() -%}
+  {{- '<|tools_start|>' -}}
+  {%- for tool in tools -%}
+    {%- set f = tool['function'] if 'function' in tool else tool -%}
+    {%- set params = f.get('parameters') or {} -%}
+    {%- set required = params.get('required') or [] -%}
+    {{- ';' if not loop.first }}{{ f['name'] }}(
+    {%- for k, v in (params.get('properties') or {}).items() -%}
+      {{- ',' if not loop.first }}{{ k }}{{ '' if k in required else '?' }}:{{ type_of(v) }}
+    {%- endfor -%})
+  {%- endfor -%}
+  {{- '<|tools_end|>' -}}
+{%- endmacro -%}
+{%- macro call_of(name, arguments) -%}
+  {%- if arguments is string -%}{{ '{"name":' ~ (name | tojson(ensure_ascii=False)) ~ ',"arguments":' ~ arguments ~ '}' }}
+  {%- else -%}{{ {'name': name, 'arguments': arguments} | tojson(ensure_ascii=False, separators=(',', ':')) }}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(prefix='', uses_tools=(tools is defined and tools is not none and tools | length > 0)) -%}
+{%- set has_tools = ns.uses_tools -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'tool' or message.get('tool_calls') -%}{%- set ns.uses_tools = true -%}{%- endif -%}
+  {%- if message['content'] is not string and message['content'] is iterable -%}{%- for part in message['content'] -%}
+    {%- if message['role'] == 'assistant' and part['type'] == 'call' -%}{%- set ns.uses_tools = true -%}{%- endif -%}
+  {%- endfor -%}{%- endif -%}
+{%- endfor -%}
+{%- if ns.uses_tools and not tool_tokens -%}{{ raise_exception('this model was not trained for function calling (its tokenizer has no tool tokens)') }}{%- endif -%}
 {%- set turns = messages -%}
 {%- if not system_tokens and messages[0]['role'] == 'system' -%}
   {%- if messages | length < 2 or messages[1]['role'] != 'user' -%}{{ raise_exception('this model has no system tokens: a system message must be followed by a user message') }}{%- endif -%}
@@ -221,30 +266,39 @@ def chat_template(tok: SparkTokenizer) -> str:
   {%- set turns = messages[1:] -%}
 {%- endif -%}
 {{- bos_token -}}
+{%- if has_tools and turns[0]['role'] != 'system' -%}{{- tools_block() -}}{%- endif -%}
 {%- for message in turns -%}
   {%- set role = message['role'] -%}
-  {%- if role not in ['system', 'user', 'assistant'] -%}{{ raise_exception('role must be one of system, user, assistant') }}{%- endif -%}
+  {%- if role not in ['system', 'user', 'assistant', 'tool'] -%}{{ raise_exception('role must be one of system, user, assistant, tool') }}{%- endif -%}
   {%- if role == 'system' and not loop.first -%}{{ raise_exception('a system message may only come first') }}{%- endif -%}
   {%- if role == 'assistant' -%}
     {{- '<|assistant_start|>' -}}
     {%- if message['content'] is string -%}{{- message['content'] -}}
-    {%- else -%}{%- for part in message['content'] -%}
+    {%- elif message['content'] is not none -%}{%- for part in message['content'] -%}
       {%- if part['type'] == 'text' -%}{{- part['text'] -}}
       {%- elif part['type'] == 'python' -%}{{- '<|python_start|>' ~ part['text'] ~ '<|python_end|>' -}}
       {%- elif part['type'] == 'python_output' -%}{{- '<|output_start|>' ~ part['text'] ~ '<|output_end|>' -}}
+      {%- elif part['type'] == 'call' -%}{{- '<|call_start|>' ~ part['text'] ~ '<|call_end|>' -}}
       {%- else -%}{{ raise_exception('unsupported content part: ' ~ part['type']) }}
       {%- endif -%}
     {%- endfor -%}{%- endif -%}
+    {%- for c in message.get('tool_calls') or [] -%}
+      {%- set f = c['function'] if 'function' in c else c -%}
+      {{- '<|call_start|>' ~ call_of(f['name'], f['arguments']) ~ '<|call_end|>' -}}
+    {%- endfor -%}
     {{- '<|assistant_end|>' -}}
+  {%- elif role == 'tool' -%}
+    {{- '<|result_start|>' ~ text_of(message['content']) ~ '<|result_end|>' -}}
   {%- else -%}
     {{- '<|' ~ role ~ '_start|>' -}}
     {%- if role == 'user' -%}{{- ns.prefix -}}{%- set ns.prefix = '' -%}{%- endif -%}
     {{- text_of(message['content']) -}}
     {{- '<|' ~ role ~ '_end|>' -}}
+    {%- if role == 'system' and has_tools -%}{{- tools_block() -}}{%- endif -%}
   {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-  {%- if messages[-1]['role'] != 'user' -%}{{ raise_exception('the last message must come from the user') }}{%- endif -%}
+  {%- if messages[-1]['role'] not in ['user', 'tool'] -%}{{ raise_exception("the last message must come from the user (or be a tool's result)") }}{%- endif -%}
   {{- '<|assistant_start|>' -}}
 {%- endif -%}
 """)

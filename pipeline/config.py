@@ -82,7 +82,7 @@ class DataParams(Settings):
     """What the prepare stage reads: the pretraining text, the conversations and the generated tasks."""
     KEY: ClassVar[str] = "data"
     MINIMUM: ClassVar[dict[str, float]] = {"max_docs_per_source": 0, "pretrain_tokens": 0, "synthetic_train": 0,
-                                           "synthetic_eval": 0}
+                                           "synthetic_eval": 0, "tool_use_share": 0}
     pretrain_sources: list[str] = field(default_factory=lambda: ["builtin:shakespeare"])
     """Text sources: 'builtin:shakespeare', a local .txt/.jsonl/.parquet path, or 'hub:<id>[:<config>]'."""
     chat_sources: list[str] = field(default_factory=lambda: ["builtin:synthetic", "builtin:chatterbot"])
@@ -108,6 +108,10 @@ class DataParams(Settings):
     """Share of the generated exchanges asked once more inside conversations of two or three exchanges
     (each is also a conversation of its own), so the model learns to answer the last question with
     earlier turns in its context, as the chat front ends send them. 0: single exchanges only."""
+    tool_use_share: float = 0.5
+    """Tool-use conversations (pipeline/tool_tasks.py), in number this share of `synthetic_train`, beside
+    those exchanges. 1/6 left the default model calling the right function with the right arguments on
+    0.41 of the held-out items (docs/evaluation.md, 'Tool use')."""
     synthetic_eval: int = 400
     """Held-out generated items per eval task (never in training data); a task with a small pool of prompts
     holds out at most half of it (spelling: 193)."""

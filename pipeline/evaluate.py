@@ -64,22 +64,24 @@ def generate_all(engine: Engine, tok, prompts: list[list[int]], max_new: int, de
 
 
 @torch.no_grad()
-def tool_use_scores(engine: Engine, tok, items: list[dict], max_new: int, name: str) -> dict[str, float]:
+def tool_use_scores(engine: Engine, tok, items: list[dict], max_new: int, name: str
+                    ) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
     """The tool-use task (pipeline/tool_tasks.py) on held-out items, greedy: each prompt rendered with its
-    two functions; `tool_call` and `tool_none` from the calls each reply made. Items whose prompt leaves
-    the model's context no room for a reply are left out (a context too short for any: not scored)."""
+    two functions; `tool_call` and `tool_none` from the calls each reply made, and how the others failed
+    (tool_tasks.failures). Items whose prompt leaves the model's context no room for a reply are left out
+    (a context too short for any: not scored)."""
     rendered = [render(tok, [{"role": "user", "content": it["prompt"]}], for_completion=True, tools=it["tools"])[0]
                 for it in items]
     fits = [i for i, ids in enumerate(rendered) if len(ids) < engine.max_len]
     if not fits:
-        return {}
+        return {}, {}
     items, prompts = [items[i] for i in fits], [rendered[i] for i in fits]
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     with tqdm(total=len(prompts), desc=f"{name}/tool_use", file=sys.stderr, mininterval=2.0, leave=False) as bar:
         done = run_all(engine, [(ids, params) for ids in prompts], bar)
     calls = [[p["text"] for p in read_reply(tok, [t.id for t in tokens]).parts if p["type"] == "call"]
              for tokens, _ in done]
-    return tool_tasks.score(items, calls)
+    return tool_tasks.score(items, calls), tool_tasks.failures(items, calls)
 
 
 def multiple_choice(model, tok, items: list[dict], device) -> float:
@@ -184,9 +186,9 @@ def centered(scores: dict, chance: dict, benches: list[Benchmark], chat: bool) -
 
 
 def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Benchmark], dtype=torch.float32,
-                   load=load_model_dir) -> dict:
+                   load=load_model_dir, failures: dict | None = None) -> dict:
     """`dtype` and `load(path, device, dtype)`: how the model is loaded (bench/fp8_quality.py scores a model
-    as the server would hold it)."""
+    as the server would hold it). `failures`, when given, receives how the tool-use replies failed."""
     model, tok, gen = load(path, device, dtype)
     scores: dict[str, float] = {}
     seq_len = model.config.seq_len
@@ -204,8 +206,11 @@ def evaluate_model(name: str, path: Path, p: Params, device, benches: list[Bench
         for task in MULTIPLE_CHOICE:
             scores[task] = round(multiple_choice(model, tok, load_eval_items(task, p.evaluate.max_items), device), 4)
         if has_tools(tok):  # a model whose tokenizer predates the tool tokens takes no tools
-            scores.update(tool_use_scores(engine, tok, load_eval_items("tool_use", p.evaluate.max_items),
-                                          p.evaluate.max_new_tokens, name))
+            tool_scores, tool_failures = tool_use_scores(engine, tok, load_eval_items("tool_use", p.evaluate.max_items),
+                                                         p.evaluate.max_new_tokens, name)
+            scores.update(tool_scores)
+            if failures is not None:
+                failures.update(tool_failures)
         scores.update(benchmark_scores(name, model, tok, engine, benches, p.evaluate.max_new_tokens))
     finally:
         engine.shutdown()
@@ -218,9 +223,11 @@ def load_benchmarks(p: Params) -> list[Benchmark]:
             for name, b in vars(p.evaluate.benchmarks).items() if b.source]
 
 
-def reports(name: str, scores: dict, benches: list[Benchmark]) -> tuple[dict, dict, str]:
+def reports(name: str, scores: dict, benches: list[Benchmark], tool_failures: dict | None = None
+            ) -> tuple[dict, dict, str]:
     """One model's headline metrics (the synthetic tasks, val bits per byte on the pretraining text, the
-    benchmarks' centred mean), its details (each benchmark, centred scores, chance) and its plot rows."""
+    benchmarks' centred mean), its details (each benchmark, centred scores, chance, the tool-use failures
+    per function) and its plot rows."""
     chat = name in CHAT_MODELS
     chance = {"largest": 0.25, **{t: 0.0 for t in GENERATIVE}, **{b.name: round(b.chance, 4) for b in benches}}
     bench_scores = {b.name: scores[b.name] for b in benches if b.name in scores}
@@ -231,6 +238,8 @@ def reports(name: str, scores: dict, benches: list[Benchmark]) -> tuple[dict, di
     if mean in c:  # one column in `dvc metrics show` for both: the row says which model, details.json which mean
         headline["core"] = c[mean]
     details = {"benchmarks": bench_scores, "centered": c, "chance": chance}
+    if tool_failures is not None:
+        details["tool_failures"] = tool_failures
     rows = ["model\ttask\taccuracy"] + [f"{name}\t{t}\t{v}" for t, v in {**headline, **bench_scores}.items()
                                          if t != VAL_BPB["pretrain"] and t != "core"]
     return headline, details, "\n".join(rows) + "\n"
@@ -247,11 +256,12 @@ def main(argv=None) -> None:
         benches = load_benchmarks(p)
     except BenchmarkError as e:
         raise SystemExit(f"evaluate: evaluate.benchmarks.{e}") from None
+    failures: dict = {}
     try:
-        scores = evaluate_model(name, paths.EVAL_MODELS[name], p, device, benches)
+        scores = evaluate_model(name, paths.EVAL_MODELS[name], p, device, benches, failures=failures)
     except ModelDirError as e:
         raise SystemExit(f"evaluate {name}: {e}") from None
-    headline, details, rows = reports(name, scores, benches)
+    headline, details, rows = reports(name, scores, benches, failures if "tool_call" in scores else None)
     print(f"evaluate {name}: {headline}", file=sys.stderr)
     stage = paths.eval_reports(name)
     write_reports(stage, headline, details)

@@ -128,6 +128,7 @@ def training_section() -> str:
 def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline: bool) -> str:
     from model.hf import generate_stops
     from model.tokenizer import SYSTEM_TOKENS
+    from model.tools import has_tools
     c = model.config
     meta = read_json(model_dir / "meta.json") or {}
     arch = table(["", ""], [
@@ -163,6 +164,13 @@ def model_card(model, tok, gen: dict, model_dir: Path, out: Path, from_pipeline:
         sections.append(f"## Training and evaluation\n\nNot recorded here: exported from `{model_dir}`, not from the "
                         f"pipeline's chat model (`{paths.CHAT_MODEL}`), whose DVC metrics this card would quote.")
     tool_tokens = "`<|python_start|>` expression `<|python_end|>`"
+    functions = ("- Function calling: `apply_chat_template(messages, tools=[...])` shows the functions (transformers' "
+                 "`{\"type\": \"function\", \"function\": {...}}` entries) as compact signatures after the system "
+                 "prompt, between `<|tools_start|>` and `<|tools_end|>`; an assistant message's `tool_calls` (arguments "
+                 "as a dict) render as the model writes a call, `<|call_start|>` "
+                 "`{\"name\":...,\"arguments\":{...}}` `<|call_end|>`, and a `tool` message as its result, "
+                 "`<|result_start|>` ... `<|result_end|>`. After its calls the model ends the turn: run them and "
+                 "append the results as `tool` messages.\n" if has_tools(tok) else "")
     system = ("`<|system_start|>`/`<|system_end|>`," if all(t in tok.special for t in SYSTEM_TOKENS) else
               "(no system tokens: a system prompt goes before the first user message, then a blank line)")
     sections.append(f"""## Use with transformers
@@ -193,7 +201,7 @@ An assistant message's content may be a list of parts: `text`, `python` (a calcu
 sparkchat's server runs the call and feeds the result back; transformers' `generate` runs no tools, so it \
 stops after a call (`<|python_end|>`): evaluate the expression, append `<|output_start|>` result \
 `<|output_end|>` to the ids and generate again.
-- Text that looks like a control token: sparkchat encodes message text as plain text, so a user typing \
+{functions}- Text that looks like a control token: sparkchat encodes message text as plain text, so a user typing \
 `<|assistant_end|>` cannot end a turn. A transformers tokenizer matches such text as the control token (the chat \
 template relies on that): for untrusted text call the tokenizer with `split_special_tokens=True`, and know that \
 `apply_chat_template` renders content containing control-token text differently from sparkchat.

@@ -203,10 +203,6 @@ def outputs(out: Path) -> list[Path]:
                                                        paths.CHAT_VAL, paths.EVAL_ITEMS)]
 
 
-# the tool-use conversations (pipeline/tool_tasks.py) are this part of `data.synthetic_train` in number, beside it
-TOOL_USE_PART = 6
-
-
 def prepare(p: Params, out: Path = paths.DATA, shard_chars: int = SHARD_CHARS, group_chars: int = ROW_GROUP_CHARS) -> dict:
     """Writes the data under `out`; returns what it read (the stage's details report). A write that fails
     for want of room (a full disk, a quota, `ulimit -f`: pyarrow's and datasets' writers raise the OSError)
@@ -254,7 +250,7 @@ def _prepare(p: Params, out: Path, shard_chars: int, group_chars: int) -> dict:
         if src == "builtin:synthetic":
             items = synthetic.dedupe_against(synthetic.generate_train(d.synthetic_train, d.seed), held_out)
             convs.extend(synthetic.conversations(items, d.synthetic_multi_turn, d.seed))
-            tools = tool_tasks.generate(d.synthetic_train // TOOL_USE_PART, d.seed + 2)
+            tools = tool_tasks.generate(round(d.synthetic_train * d.tool_use_share), d.seed + 2)
             convs.extend(tool_tasks.conversation(it) for it in tools if tool_tasks.key(it) not in held_out_tools)
         else:
             for msgs in iter_conversations(src, d.hub_split, d.max_docs_per_source):

@@ -24,16 +24,19 @@ import torch
 from model.chat import render
 from model.chat_engine import run_all
 from model.engine import Engine
+from model.tools import has_tools
 from model.requests import Finished, SamplingParams, Token
 from sparkchat import paths
 
 from .benchmarks import load_benchmark
 from .config import RLParams, resolve_source
 from .data import DataError
+from . import tool_tasks
 from .synthetic import TRAIN_MIX, normalize_prompt, to_messages
 from .tasks import SYNTHETIC, is_correct, reply_text
 
 MAX_REDRAWS = 1000  # a synthetic prompt is redrawn while it is a held-out one; the pools are far larger
+TOOL_USE = "tool_use"  # the tool-use task (pipeline/tool_tasks.py): replayed, never rewarded here
 
 
 @dataclass
@@ -79,11 +82,15 @@ class PromptSource:
 
     def __init__(self, tok, r: RLParams):
         self.tok, self.tasks, self.seed = tok, r.tasks, r.seed
-        # the SFT tasks that the replay term keeps (docs/rl.md): every synthetic one not trained on here
-        self.replayed = [t for t in TRAIN_MIX if t not in r.tasks] if r.replay_weight else []
+        # the SFT tasks that the replay term keeps (docs/rl.md): every synthetic one not trained on here, and
+        # the tool-use task when the model has the tool tokens (without it, RL wore the skill down)
+        self.replayed = ([t for t in TRAIN_MIX if t not in r.tasks] + ([TOOL_USE] if has_tools(tok) else [])
+                         if r.replay_weight else [])
         # every held-out item, not only the eval_items scored: none may be trained on
         self.held_out = {normalize_prompt(it["prompt"]) for t in SYNTHETIC if t in r.tasks or t in self.replayed
                          for it in read_jsonl(paths.EVAL_ITEMS / f"{t}.jsonl")}
+        self.held_out_tools = {tool_tasks.key(it) for it in read_jsonl(paths.EVAL_ITEMS / f"{TOOL_USE}.jsonl")} \
+            if TOOL_USE in self.replayed else set()
         self.gsm8k = []
         if "gsm8k" in r.tasks:
             bench = load_benchmark("gsm8k", resolve_source(r.gsm8k_train), 1 << 30, split="train")
@@ -103,13 +110,26 @@ class PromptSource:
                 return it
         raise DataError(f"no {task} prompt outside the held-out items in {MAX_REDRAWS} draws")
 
+    def tool_item(self, rng: random.Random) -> dict:
+        """A tool-use item that is not a held-out one (tool_tasks.key)."""
+        for _ in range(MAX_REDRAWS):
+            it = tool_tasks.tool_item(rng)
+            if tool_tasks.key(it) not in self.held_out_tools:
+                return it
+        raise DataError(f"no {TOOL_USE} item outside the held-out items in {MAX_REDRAWS} draws")
+
     def replay(self, step: int, n: int, first: int, count: int) -> list[Rollout]:
         """Items `first`..`first + count` of step `step`'s `n` replay conversations (tasks in turn), as rows whose
-        mask is the gold reply's ids (render's training mask: the calculator's outputs left out)."""
+        mask is the gold reply's ids (render's training mask: the calculator's and tools' outputs left out)."""
         out = []
         for i in range(first, first + count):
             task = self.replayed[(step * n + i) % len(self.replayed)]
-            ids, mask = render(self.tok, to_messages(self.item(task, random.Random(f"{self.seed}/replay/{step}/{i}"))))
+            rng = random.Random(f"{self.seed}/replay/{step}/{i}")
+            if task == TOOL_USE:
+                conv = tool_tasks.conversation(self.tool_item(rng))
+                ids, mask = render(self.tok, conv["messages"], tools=conv["tools"])
+            else:
+                ids, mask = render(self.tok, to_messages(self.item(task, rng)))
             out.append(Rollout(-1, ids, mask, 0.0, 0))
         return out
 

@@ -9,7 +9,8 @@ call. Conversations are stored as {"messages", "tools"} (pipeline/tokenize.py re
 
 `score(items, replies)` is the evaluate stage's tool-use score on held-out items: `tool_call`, the share
 of call items whose reply calls the right function with arguments valid against its schema and equal to
-the gold ones; `tool_none`, the share of none items whose reply makes no call.
+the gold ones; `tool_none`, the share of none items whose reply makes no call. `failures` says how the
+others failed (no call, the wrong function, invalid or wrong arguments, ...), per function.
 """
 from __future__ import annotations
 
@@ -122,18 +123,33 @@ def generate_eval(n: int, seed: int) -> list[dict]:
     return out
 
 
-def right_call(item: dict, calls: list[str]) -> bool:
-    """The reply's calls (their texts) are one call of the gold function, its arguments valid and the gold ones."""
-    if len(calls) != 1 or (call := parse_call(calls[0])) is None:
-        return False
+FAILURES = ("no_call", "many_calls", "not_a_call", "wrong_function", "invalid_arguments", "wrong_arguments",
+            "called_when_none_fits")  # outcome()'s kinds of failure, in the order it checks them
+
+
+def outcome(item: dict, calls: list[str]) -> str:
+    """What a reply (its call texts) did with an item: "right", or the first of FAILURES it fell into."""
+    if item["call"] is None:
+        return "called_when_none_fits" if calls else "right"
+    if not calls:
+        return "no_call"
+    if len(calls) != 1:
+        return "many_calls"
+    if (call := parse_call(calls[0])) is None:
+        return "not_a_call"
     name, args = call
     if name != item["call"]["name"]:
-        return False
+        return "wrong_function"
     try:
         jsonschema.validate(args, FUNCTIONS[name])
     except jsonschema.ValidationError:
-        return False
-    return args == item["call"]["arguments"]
+        return "invalid_arguments"
+    return "right" if args == item["call"]["arguments"] else "wrong_arguments"
+
+
+def right_call(item: dict, calls: list[str]) -> bool:
+    """The reply's calls (their texts) are one call of the gold function, its arguments valid and the gold ones."""
+    return item["call"] is not None and outcome(item, calls) == "right"
 
 
 def score(items: list[dict], replies: list[list[str]]) -> dict[str, float]:
@@ -141,3 +157,15 @@ def score(items: list[dict], replies: list[list[str]]) -> dict[str, float]:
     calls = [right_call(it, r) for it, r in zip(items, replies) if it["call"] is not None]
     nones = [not r for it, r in zip(items, replies) if it["call"] is None]
     return {"tool_call": round(sum(calls) / max(1, len(calls)), 4), "tool_none": round(sum(nones) / max(1, len(nones)), 4)}
+
+
+def failures(items: list[dict], replies: list[list[str]]) -> dict[str, dict[str, int]]:
+    """How the replies failed, per gold function ("none": the items where none fits): {function: {kind: count}},
+    the kinds of FAILURES that occurred; what the evaluate stage records beside the score."""
+    out: dict[str, dict[str, int]] = {}
+    for it, r in zip(items, replies):
+        kind = outcome(it, r)
+        if kind != "right":
+            per = out.setdefault(it["call"]["name"] if it["call"] else "none", {})
+            per[kind] = per.get(kind, 0) + 1
+    return out

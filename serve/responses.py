@@ -8,6 +8,14 @@ It renders with the training renderer, as chat completions do, and runs as one e
 words; a calculator use shows as in chat completions' `content`: its words only). The response's status is
 "completed", or "incomplete" (reason `max_output_tokens`) when the token budget or the context ended it.
 
+Function calling as chat completions have it (serve/tool_calls.py, through `ToolFields`), in the Responses
+API's shapes: `tools` entries {"type": "function", "name", "parameters"}, `tool_choice` "none", "auto",
+"required" or {"type": "function", "name"}, `parallel_tool_calls`. Each call the reply makes is an output
+item {"type": "function_call", "call_id", "name", "arguments"} after the message (which is left out when
+the reply is only calls); sent back in `input` with a {"type": "function_call_output", "call_id", "output"}
+item, the output renders as the call's result. Streamed, a call is response.output_item.added,
+response.function_call_arguments.delta and .done, then response.output_item.done, once the call is whole.
+
 With `stream`, the reply comes as the events OpenAI sends, each an SSE `event:` line and its JSON with a
 `sequence_number`: response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per piece of text), response.output_text.done,
@@ -30,17 +38,19 @@ from typing import Annotated, AsyncIterator, Callable, ClassVar, Literal, Option
 from fastapi import Request
 from pydantic import BaseModel, Field
 
-from model.chat import ChatFormatError
+from model.chat import ChatFormatError, content_text
+from model.tools import call_text
 
-from . import serving
+from . import serving, tool_calls
 from .errors import APIError
 from .runtime import Runtime, TextStream
 from .sse import Last
-from .schemas import NO_TOOLS, NoTools, ResponsesText, _Strict, _unsupported
+from .schemas import (MAX_TOOLS, NAME_PATTERN, FunctionDef, FunctionName, NamedToolChoice, ResponsesText, ToolDef,
+                      _Strict, _unsupported)
 from .structured import format_grammar
 
 # parameter -> the value at which it does nothing (the only value accepted; schemas.py's rule)
-NOOPS = {**NO_TOOLS, "previous_response_id": None,
+NOOPS = {"previous_response_id": None,
          "conversation": None, "background": False, "reasoning": None,
          "include": [], "top_logprobs": 0, "max_tool_calls": None, "prompt": None, "truncation": "disabled"}
 
@@ -66,11 +76,47 @@ class InputMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponsesRequest(NoTools):
+class FunctionCallItem(_Strict):
+    """A call of an earlier response, sent back (its output item as given)."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object's text")
+    id: Optional[str] = Field(None, description="accepted and ignored")
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class FunctionCallOutputItem(_Strict):
+    """A call's result, for the call of an earlier input item with this `call_id`."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: Optional[str] = Field(None, description="accepted and ignored")
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=NAME_PATTERN)
+    description: Optional[str] = Field(None, description="accepted; the model sees only the signature")
+    parameters: Optional[dict] = Field(None, description="a JSON schema of the arguments object")
+    strict: Optional[bool] = None
+
+
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_Strict):
     NOOPS: ClassVar[dict] = NOOPS
 
     model: str
-    input: Union[str, Annotated[list[InputMessage], Field(min_length=1)]]
+    input: Union[str, Annotated[list[Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]],
+                                Field(min_length=1)]]
+    tools: Optional[Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     instructions: Optional[str] = Field(None, description="the system prompt")
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -96,11 +142,47 @@ class ResponsesRequest(NoTools):
     prompt: Optional[dict] = _unsupported(NOOPS["prompt"])
     truncation: Optional[str] = _unsupported(NOOPS["truncation"])
 
+    def tool_fields(self) -> tool_calls.ToolFields:
+        """The function-calling fields in chat's form, for serve/tool_calls.py."""
+        tools = None if self.tools is None else [
+            ToolDef(type="function", function=FunctionDef(name=t.name, description=t.description,
+                                                          parameters=t.parameters, strict=t.strict)) for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, FunctionToolChoice):
+            choice = NamedToolChoice(type="function", function=FunctionName(name=choice.name))
+        return tool_calls.ToolFields(tools, choice, self.parallel_tool_calls, self.text and self.text.format,
+                                     "text.format", ".parameters")
+
     def messages(self) -> list[dict]:
-        """The conversation for the renderer: `instructions` first, as the system prompt."""
+        """The conversation for the renderer: `instructions` first, as the system prompt. A function_call item
+        joins the assistant turn before it (a response's message and calls come back as items in a row)."""
         turns = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         msgs = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        called: set[str] = set()
         for i, m in enumerate(turns):
+            if isinstance(m, FunctionCallItem):
+                try:
+                    arguments = json.loads(m.arguments)
+                except ValueError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise APIError(400, f"input[{i}].arguments must be a JSON object's text", f"input[{i}].arguments")
+                called.add(m.call_id)
+                part = {"type": "call", "text": call_text(m.name, arguments)}
+                if msgs and msgs[-1]["role"] == "assistant":
+                    last = msgs[-1]
+                    if isinstance(last["content"], str):
+                        last["content"] = [{"type": "text", "text": last["content"]}] if last["content"] else []
+                    last["content"].append(part)
+                else:
+                    msgs.append({"role": "assistant", "content": [part]})
+                continue
+            if isinstance(m, FunctionCallOutputItem):
+                if m.call_id not in called:
+                    raise APIError(400, f"input[{i}]: a function_call_output must answer a function_call of an earlier "
+                                        f"input item (call_id {m.call_id!r} matches none)", f"input[{i}].call_id")
+                msgs.append({"role": "tool", "content": m.output})
+                continue
             system = m.role in ("system", "developer")
             if system and (msgs or i):
                 where = "with `instructions`" if self.instructions is not None else "after the first message"
@@ -125,6 +207,16 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class FunctionCallOutput(BaseModel):
+    """A call the reply made, as an output item."""
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class InputTokensDetails(BaseModel):
@@ -163,14 +255,14 @@ class ResponseObject(BaseModel):
     max_output_tokens: Optional[int] = None
     metadata: dict[str, str] = {}
     model: str
-    output: list[OutputMessage] = []
+    output: list[Union[OutputMessage, FunctionCallOutput]] = []
     parallel_tool_calls: bool = False
     store: bool = False  # nothing is stored, whatever the request asked
     temperature: float
     top_p: float
     text: dict = {"format": {"type": "text"}}
-    tool_choice: Literal["none"] = "none"
-    tools: list = []
+    tool_choice: Union[Literal["none", "auto", "required"], dict] = "none"
+    tools: list[dict] = []
     truncation: Literal["disabled"] = "disabled"
     usage: Optional[ResponseUsage] = None
 
@@ -181,10 +273,13 @@ def check(req: ResponsesRequest, runtime: Runtime) -> list[int]:
     """Everything the schema cannot say; returns the prompt ids."""
     serving.check_supported(req, runtime)
     format_grammar(req.text and req.text.format, runtime, "text.format")  # a bad schema: a 400 before any work
+    fields = req.tool_fields()
+    tool_calls.check(fields, runtime)
     messages = req.messages()
-    serving.check_length(runtime, runtime.fewest_tokens(m["content"] for m in messages), "input", "at least ")
+    serving.check_length(runtime, runtime.fewest_tokens(content_text(m["content"]) for m in messages), "input",
+                         "at least ")
     try:
-        ids = runtime.render(messages)
+        ids = runtime.render(messages, tool_calls.functions(fields))
     except ChatFormatError as e:
         raise APIError(400, str(e), "input") from None
     serving.check_length(runtime, len(ids), "input")
@@ -195,15 +290,19 @@ class _Run:
     """One response in the making: its engine stream and what the response object says of it."""
 
     def __init__(self, req: ResponsesRequest, runtime: Runtime, prompt: list[int]):
+        fields = req.tool_fields()
+        grammar = tool_calls.grammar(fields, runtime) or format_grammar(req.text and req.text.format, runtime,
+                                                                         "text.format")
         try:
-            self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens,
-                                           grammar=format_grammar(req.text and req.text.format, runtime, "text.format"))
+            self.params = runtime.sampling(req.temperature, None, req.top_p, req.max_output_tokens, grammar=grammar,
+                                           logit_bias=tool_calls.bias(fields, runtime))
         except ValueError as e:  # a value out of range
             raise APIError(400, str(e)) from None
         self.stream: TextStream | None = None
         self.req, self.runtime, self.prompt = req, runtime, prompt
         self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._calls: list[FunctionCallOutput] | None = None
 
     async def submit(self) -> "_Run":
         """Submit now, so a full queue or a prompt the engine refuses is an HTTP error, not a broken stream."""
@@ -215,21 +314,39 @@ class _Run:
         reason = self.stream.finish_reason
         return "in_progress" if reason is None else {"length": "incomplete", "error": "failed"}.get(reason, "completed")
 
+    def calls(self) -> list[FunctionCallOutput]:
+        """The reply's calls as output items (once it is whole; made once, so every event names the same ids)."""
+        if self._calls is None:
+            self._calls = [FunctionCallOutput(id=f"fc_{uuid.uuid4().hex}", call_id=c.id, name=c.function.name,
+                                              arguments=c.function.arguments)
+                           for c in tool_calls.calls(self.stream.parts)]
+        return self._calls
+
     def message(self, text: str | None) -> OutputMessage:
         status = "in_progress" if text is None else "completed" if self.status == "completed" else "incomplete"
         return OutputMessage(id=self.message_id, status=status, content=[] if text is None else [OutputText(text=text)])
+
+    def output(self, text: str) -> list:
+        """The message (left out when the reply is only calls), then the calls."""
+        calls = self.calls()
+        return ([self.message(text)] if text or not calls else []) + calls
 
     def response(self, text: str | None = None) -> ResponseObject:
         """The response object; before the reply's `text` is whole (None), as the stream's first events show it."""
         s, status = self.stream, self.status if text is not None else "in_progress"
         done = status != "in_progress"
+        req = self.req
         return ResponseObject(
             id=self.id, created_at=self.created, status=status, model=self.runtime.model_id,
-            instructions=self.req.instructions, max_output_tokens=self.req.max_output_tokens,
-            metadata=self.req.metadata or {}, temperature=self.params.temperature, top_p=self.params.top_p,
-            text={"format": self.req.text.format.model_dump(by_alias=True, exclude_none=True)}
-            if self.req.text and self.req.text.format else {"format": {"type": "text"}},
-            output=[self.message(text)] if done else [],
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            metadata=req.metadata or {}, temperature=self.params.temperature, top_p=self.params.top_p,
+            text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if req.text and req.text.format else {"format": {"type": "text"}},
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            tool_choice=(req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionToolChoice)
+                         else req.tool_choice or ("auto" if req.tools else "none")),
+            parallel_tool_calls=bool(req.tools) and req.parallel_tool_calls is not False,
+            output=self.output(text) if done else [],
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             error=ResponseError(message="The model failed while generating (the server's log says why)")
             if status == "failed" else None,
@@ -259,23 +376,39 @@ async def stream(req: ResponsesRequest, runtime: Runtime,
     def snapshot(text: str | None = None) -> dict:
         return run.response(text).model_dump(mode="json")
 
+    def opened() -> str:
+        """The message's first events: sent with its first words (a reply of calls alone has none)."""
+        return (event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
+                + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
+
+    def call_events(index: int, call: FunctionCallOutput) -> str:
+        started = call.model_copy(update={"status": "in_progress", "arguments": ""}).model_dump(mode="json")
+        at = {"item_id": call.id, "output_index": index}
+        return (event("response.output_item.added", output_index=index, item=started)
+                + event("response.function_call_arguments.delta", **at, delta=call.arguments)
+                + event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments)
+                + event("response.output_item.done", output_index=index, item=call.model_dump(mode="json")))
+
     async def events():
-        yield (event("response.created", response=snapshot())  # one write, as the closing events
-               + event("response.in_progress", response=snapshot())
-               + event("response.output_item.added", output_index=0, item=run.message(None).model_dump(mode="json"))
-               + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
+        yield event("response.created", response=snapshot()) + event("response.in_progress", response=snapshot())
         pieces = []
         async for piece in run.stream:
-            if piece:  # "" marks a calculator use: its words come as text
+            if piece:  # "" marks a calculator use or a function call: its words come as text, its call at the end
+                first = "" if pieces else opened()
                 pieces.append(piece)
-                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                yield first + event("response.output_text.delta", **where, delta=piece, logprobs=[])
         text = "".join(pieces)
         final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(run.status,
                                                                                               "response.failed")
-        yield Last(event("response.output_text.done", **where, text=text, logprobs=[])
-                   + event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
-                   + event("response.output_item.done", output_index=0,
-                           item=run.message(text).model_dump(mode="json"))
-                   + event(final, response=snapshot(text)))
+        calls, closing = run.calls(), ""
+        if text or not calls:  # the message, whole (opened now if no words came)
+            closing = (("" if pieces else opened())
+                       + event("response.output_text.done", **where, text=text, logprobs=[])
+                       + event("response.content_part.done", **where, part=OutputText(text=text).model_dump())
+                       + event("response.output_item.done", output_index=0,
+                               item=run.message(text).model_dump(mode="json")))
+        first = 1 if text or not calls else 0
+        closing += "".join(call_events(first + j, c) for j, c in enumerate(calls))
+        yield Last(closing + event(final, response=snapshot(text)))
 
     return events(), run.stream.cancel

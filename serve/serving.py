@@ -73,13 +73,14 @@ def check(req: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
     format_grammar(req.response_format, runtime, "response_format")  # a bad schema: a 400 before any work
-    tool_calls.check(req, runtime)
+    fields = tool_calls.ToolFields.of_chat(req)
+    tool_calls.check(fields, runtime)
     called: set[str] = set()  # the ids of the calls so far (a tool message answers one)
     messages = [tool_calls.message_parts(i, m, called) or _message(i, m) for i, m in enumerate(req.messages)]
     try:
         check_length(runtime, runtime.fewest_tokens(content_text(m["content"]) for m in messages), "messages",
                      "at least ")
-        ids = runtime.render(messages, tool_calls.functions(req))
+        ids = runtime.render(messages, tool_calls.functions(fields))
     except ChatFormatError as e:
         raise APIError(400, str(e), "messages") from None
     check_length(runtime, len(ids), "messages")
@@ -149,8 +150,9 @@ async def open_streams(runtime: Runtime, jobs: list[tuple[list[int], SamplingPar
 
 async def _chat_streams(req: ChatCompletionRequest, runtime: Runtime, prompt: list[int]) -> list[TextStream]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = tool_calls.grammar(req, runtime) or format_grammar(req.response_format, runtime, "response_format")
-    bias = tool_calls.bias(req, runtime)
+    fields = tool_calls.ToolFields.of_chat(req)
+    grammar = tool_calls.grammar(fields, runtime) or format_grammar(req.response_format, runtime, "response_format")
+    bias = tool_calls.bias(fields, runtime)
     jobs = [(prompt, sampling(req, runtime, i, _max_tokens(req), logprobs=logprobs, grammar=grammar, logit_bias=bias))
             for i in range(req.n)]
     return await open_streams(runtime, jobs, req.stop_list())

@@ -1,5 +1,6 @@
-"""Function calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`, the
-`tool_calls` of a reply and the `tool` messages that bring their results back.
+"""Function calling on /v1/chat/completions (and, through `ToolFields`, /v1/responses: serve/responses.py):
+`tools`, `tool_choice`, `parallel_tool_calls`, the `tool_calls` of a reply and the `tool` messages that
+bring their results back.
 
 The functions render into the prompt as compact signatures (model.tools). `tool_choice`:
   - "auto" (the default with tools): the model decides, as it learned to (the synthetic tool-use task);
@@ -18,17 +19,39 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from model.grammar import GrammarError, check_schema, tool_call_grammar
 from model.tools import call_text, has_tools, parse_call
 
+from pydantic import TypeAdapter, ValidationError
+
 from .errors import APIError
-from .schemas import ChatCompletionRequest, ToolCallOut
+from .schemas import ChatCompletionRequest, NamedToolChoice, ToolCallOut, ToolDef
 
 MAX_BIAS_BAN = -100.0  # OpenAI's logit_bias value that bans a token
 
 
-def check(req: ChatCompletionRequest, runtime) -> None:
+@dataclass
+class ToolFields:
+    """A request's function-calling fields in chat's form (the Responses API's flat forms converted), and the
+    names its errors give: where a tool's parameters are (`tools[i]` + params_path) and its format's field."""
+    tools: Optional[list[ToolDef]]
+    tool_choice: Union[str, NamedToolChoice, None]
+    parallel_tool_calls: Optional[bool]
+    response_format: object = None  # a structured output asked beside (a forced call cannot have one)
+    format_field: str = "response_format"
+    params_path: str = ".function.parameters"
+    logit_bias: Optional[dict[int, float]] = None
+
+    @classmethod
+    def of_chat(cls, req: ChatCompletionRequest) -> "ToolFields":
+        return cls(req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
+                   logit_bias=req.bias())
+
+
+def check(req: ToolFields, runtime) -> None:
     """The tool fields' rules beyond their schema."""
     if req.tools is None:
         if req.tool_choice is not None and req.tool_choice != "none":
@@ -40,34 +63,61 @@ def check(req: ChatCompletionRequest, runtime) -> None:
     if not has_tools(runtime.tokenizer):
         raise APIError(400, "This model was not trained for function calling (its tokenizer has no tool tokens)",
                        "tools", "unsupported_parameter")
+    problem = functions_problem(req.tools, "tools", req.params_path)
+    if problem is not None:
+        raise APIError(400, *problem, "invalid_value")
     names = [t.function.name for t in req.tools]
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise APIError(400, f"tools: the function name '{dup}' is given twice", "tools", "invalid_value")
-    for i, t in enumerate(req.tools):
-        try:
-            check_schema(t.function.parameters or {"type": "object"}, f"tools[{i}].function.parameters")
-        except GrammarError as e:
-            raise APIError(400, str(e), f"tools[{i}].function.parameters", "invalid_value") from None
     if not isinstance(req.tool_choice, (str, type(None))) and req.tool_choice.function.name not in names:
         raise APIError(400, f"tool_choice names the function '{req.tool_choice.function.name}', which is not one of "
                             f"the tools ({', '.join(names)})", "tool_choice", "invalid_value")
     if forced(req) and req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, "response_format cannot be combined with a tool_choice that forces a call",
-                       "response_format", "invalid_value")
+        raise APIError(400, f"{req.format_field} cannot be combined with a tool_choice that forces a call",
+                       req.format_field, "invalid_value")
     grammar(req, runtime)
 
 
-def functions(req: ChatCompletionRequest) -> list[dict] | None:
+def functions_problem(tools: list[ToolDef], field: str, params_path: str = ".function.parameters"
+                      ) -> tuple[str, str] | None:
+    """(message, the field it names) when the definitions cannot be offered together: a name given twice,
+    parameters that are not a schema the grammar engine takes; None when they can."""
+    names = [t.function.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        return f"{field}: the function name '{dup}' is given twice", field
+    for i, t in enumerate(tools):
+        try:
+            check_schema(t.function.parameters or {"type": "object"}, f"{field}[{i}]{params_path}")
+        except GrammarError as e:
+            return str(e), f"{field}[{i}]{params_path}"
+    return None
+
+
+def parse_definitions(raw, field: str) -> list[dict]:
+    """A front end's tools (the chat page's box, the terminal's --tools file): a JSON list of OpenAI `tools`
+    entries, checked as the API checks them, as model.tools renders them ({"name", "parameters"}). Raises
+    ValueError naming `field` (and the entry)."""
+    try:
+        tools = TypeAdapter(list[ToolDef]).validate_python(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        raise ValueError(f"{field}{where}: {err['msg']}") from None
+    problem = functions_problem(tools, field)
+    if problem is not None:
+        raise ValueError(problem[0])
+    return [{"name": t.function.name, "parameters": t.function.parameters} for t in tools]
+
+
+def functions(req: ToolFields) -> list[dict] | None:
     """The tools as model.tools renders them ({"name", "parameters"})."""
     return None if not req.tools else [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools]
 
 
-def forced(req: ChatCompletionRequest) -> bool:
+def forced(req: ToolFields) -> bool:
     return bool(req.tools) and req.tool_choice not in (None, "auto", "none")
 
 
-def grammar(req: ChatCompletionRequest, runtime) -> str | None:
+def grammar(req: ToolFields, runtime) -> str | None:
     """The grammar of a forced call (required or named), checked; None when the model decides."""
     if not forced(req):
         return None
@@ -83,9 +133,9 @@ def grammar(req: ChatCompletionRequest, runtime) -> str | None:
     return g
 
 
-def bias(req: ChatCompletionRequest, runtime) -> dict[int, float] | None:
+def bias(req: ToolFields, runtime) -> dict[int, float] | None:
     """tool_choice "none" with tools: the call opener banned (added to the request's own logit_bias)."""
-    own = req.bias()
+    own = req.logit_bias
     if req.tools and req.tool_choice == "none":
         return {**(own or {}), runtime.tokenizer.special["<|call_start|>"]: MAX_BIAS_BAN}
     return own

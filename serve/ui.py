@@ -5,9 +5,13 @@ reply streams as it is generated; Gradio's stop button cancels the generator, wh
 row at once (TextStream cancels on close).
 
 A reply shows as the API and the terminal show it (model.chat.ReplyReader): each calculator use as a
-collapsed tool message, then the assistant's words. The words are what Gradio gives back as history, so
-the page keeps each reply's parts (calculator calls, results and answer line, as the model wrote them)
-in a per-session State keyed by those words, and the next turn's prompt renders the history as trained.
+collapsed tool message, then the assistant's words, then each call of a function as a collapsed message
+(its name and arguments). Functions are offered through the settings' Tools box (OpenAI `tools` entries,
+checked as the API checks them); a reply that calls one takes the user's next message as the result (a
+`tool` message, as the API's client would send it), shown at the start of the reply it brings. Gradio
+gives back each message's text, so the page keeps each reply's parts (calculator calls, results, function
+calls and answer line, as the model wrote them) in a per-session State keyed by the text of the turn's
+messages (`turn_key`), and the next turn's prompt renders the history as trained.
 A conversation that outgrows the context loses its oldest exchanges, as in the terminal, with a note; by
 default the reply may take what the context leaves, so the history leaves only when it must (fit_prompt).
 
@@ -32,8 +36,9 @@ from starlette.routing import Mount
 
 from .bodies import replayed
 from .errors import error_response
+from .tool_calls import parse_definitions
 
-from model.chat import ChatFormatError, ToolUse, fit_history, history_budget
+from model.chat import ChatFormatError, FunctionCall, ToolUse, fit_history, history_budget
 from model.requests import EngineStopped, QueueFull
 from model.model_info import describe_model_dir
 from sparkchat import paths
@@ -49,6 +54,9 @@ EXAMPLES = [
     "Who are you?",
 ]
 TOOL_TITLE = "Calculator"
+CALL_TITLE = "Function call"  # + ": name"
+RESULT_TITLE = "Function result"
+TOOLS_LABEL = "Tools (OpenAI `tools` JSON; a call's result is your next message)"
 EMPTY = "(empty reply)"
 log = logging.getLogger("sparkchat.serve")
 QUEUE_POLL_S = 0.05  # how often the chat page's queue looks for a new job while it has none (mount_ui)
@@ -69,36 +77,70 @@ def _is_tool(turn: dict) -> bool:
     return bool((turn.get("metadata") or {}).get("title"))
 
 
+def turn_key(texts: list[str]) -> str:
+    """What a reply's parts are kept under: the text of every message the reply showed (tool messages too),
+    in order, so a reply with no words (a function call) is found too."""
+    return "\n".join(texts)
+
+
 def to_messages(message, history, system_prompt: str, replies: dict | None = None) -> list[dict]:
     """Gradio's history + the new message -> chat messages. Gradio may split a turn into several messages
-    (a reply is its tool messages and its words); an assistant turn whose words are in `replies` (words
-    -> parts, kept by respond) becomes those parts, any other its words as plain text."""
+    (a reply is its tool messages and its words); an assistant turn whose `turn_key` is in `replies` (->
+    parts, kept by respond) becomes those parts, any other its words as plain text. A user message after a
+    reply that called a function is that call's result: a `tool` message."""
     msgs = [{"role": "system", "content": system_prompt.strip()}] if system_prompt and system_prompt.strip() else []
     for turn in history or []:
         role = turn.get("role") if isinstance(turn, dict) else None
         if role not in ("user", "assistant"):
             continue
-        text = "" if _is_tool(turn) else _text(turn.get("content"))
-        if msgs and msgs[-1]["role"] == role:
-            msgs[-1]["words"] += text
+        text = _text(turn.get("content"))
+        words = "" if _is_tool(turn) else text
+        if msgs and msgs[-1]["role"] == role and "texts" in msgs[-1]:
+            msgs[-1]["words"] += words
+            msgs[-1]["texts"].append(text)
         else:
-            msgs.append({"role": role, "words": text})
+            msgs.append({"role": role, "words": words, "texts": [text]})
     for m in msgs:
         if "words" in m:
-            words = m.pop("words")
-            m["content"] = (replies or {}).get(words, words) if m["role"] == "assistant" else words
+            words, key = m.pop("words"), turn_key(m.pop("texts"))
+            m["content"] = (replies or {}).get(key, words) if m["role"] == "assistant" else words
     msgs.append({"role": "user", "content": _text(message)})
+    for prev, m in zip(msgs, msgs[1:]):
+        if m["role"] == "user" and called(prev):
+            m["role"] = "tool"
     return msgs
 
 
-def reply_messages(words: str, tool_uses: list[ToolUse], done: bool = False) -> list[gr.ChatMessage]:
-    """A reply as chat messages: a collapsed tool message per calculator use, then the words."""
-    out = [gr.ChatMessage(role="assistant", metadata={"title": TOOL_TITLE, "log": str(u), "status": "done"},
-                          content=f"```\n{u.call}\n```\n" + ("no result" if u.output is None else f"result: `{u.output}`"))
-           for u in tool_uses]
-    if words or (done and not out):
+def called(message: dict) -> list[FunctionCall]:
+    """The function calls of an assistant message whose content is parts (none for any other)."""
+    if message["role"] != "assistant" or isinstance(message["content"], str):
+        return []
+    return [FunctionCall(p["text"]) for p in message["content"] if p["type"] == "call"]
+
+
+def reply_messages(words: str, tool_uses: list[ToolUse], done: bool = False, calls: list[FunctionCall] = (),
+                   answered: list[FunctionCall] = ()) -> list[gr.ChatMessage]:
+    """A reply as chat messages: the calls whose result the user's message brought (`answered`, with their
+    results), a collapsed tool message per calculator use, the words, then a collapsed message per call."""
+    out = [gr.ChatMessage(role="assistant", metadata={"title": RESULT_TITLE, "log": str(c), "status": "done"},
+                          content=f"```\n{c}\n```") for c in answered]
+    out += [gr.ChatMessage(role="assistant", metadata={"title": TOOL_TITLE, "log": str(u), "status": "done"},
+                           content=f"```\n{u.call}\n```\n" + ("no result" if u.output is None else f"result: `{u.output}`"))
+            for u in tool_uses]
+    if words or (done and not out and not calls):
         out.append(gr.ChatMessage(role="assistant", content=words or EMPTY))
+    out += [gr.ChatMessage(role="assistant", metadata={"title": f"{CALL_TITLE}: {_call_name(c)}", "log": str(c),
+                                                       "status": "done"},
+                           content=f"```\n{c}\n```\nYour next message is its result.") for c in calls]
     return out
+
+
+def _call_name(call: FunctionCall) -> str:
+    return str(call).split(" ", 1)[0]
+
+
+def _shown_texts(messages: list[gr.ChatMessage]) -> list[str]:
+    return [_text(m.content) for m in messages]
 
 
 def model_line(model_dir: Path, root: Path = Path(".")) -> str:
@@ -132,7 +174,18 @@ def model_line(model_dir: Path, root: Path = Path(".")) -> str:
     return "".join(out)
 
 
-def fit_prompt(tok, context: int, messages: list[dict], max_tokens: int, default: int) -> tuple[list[int], int, int]:
+def read_tools(text: str) -> list[dict] | None:
+    """The Tools box: empty, or a JSON list of OpenAI `tools` entries (a gr.Error says what is wrong)."""
+    if not text or not text.strip():
+        return None
+    try:
+        return parse_definitions(json.loads(text), "Tools")
+    except ValueError as e:  # json's errors are ValueErrors too
+        raise gr.Error(f"Tools: {e}" if isinstance(e, json.JSONDecodeError) else str(e))
+
+
+def fit_prompt(tok, context: int, messages: list[dict], max_tokens: int, default: int,
+               tools: list[dict] | None = None) -> tuple[list[int], int, int]:
     """The prompt for `messages` and the reply's budget: (ids, max_tokens for the reply, messages dropped).
 
     max_tokens 0, the page's default, is what the context leaves after the prompt (up to the model's own
@@ -140,9 +193,45 @@ def fit_prompt(tok, context: int, messages: list[dict], max_tokens: int, default
     of the context (the default model's replies to the examples above are 9 to 32 tokens, 32 being a
     quarter of its context), and only then do the oldest leave. A budget the user sets keeps its own room
     for the reply (model.chat.history_budget's rule, as in the terminal)."""
-    ids, _, dropped = fit_history(tok, messages, history_budget(context, max_tokens or context // 4))
+    ids, _, dropped = fit_history(tok, messages, history_budget(context, max_tokens or context // 4), tools)
     room = max(context - len(ids), 0)
     return ids, min(max_tokens or default, room), dropped
+
+
+async def respond(app: FastAPI, message, history, system_prompt, tools_json, temperature, top_k, max_tokens, replies):
+    """One chat turn of the page (its inputs in the page's order): yields (the reply's messages so far, the
+    replies' parts kept), the reply streamed as it is generated."""
+    runtime = app.state.runtime
+    if runtime is None:
+        raise gr.Error("The model is still loading; try again in a moment.")
+    replies = dict(replies or {})
+    functions = read_tools(tools_json)
+    messages = to_messages(message, history, system_prompt, replies)
+    answered = [FunctionCall(c.text, messages[-1]["content"]) for c in called(messages[-2])] \
+        if messages[-1]["role"] == "tool" else []
+    try:
+        prompt, budget, dropped = fit_prompt(runtime.tokenizer, runtime.context_len, messages,
+                                             int(max_tokens), runtime.defaults["max_tokens"], functions)
+    except ChatFormatError as e:
+        raise gr.Error(str(e))
+    if len(prompt) >= runtime.context_len:
+        raise gr.Error(f"The message is {len(prompt)} tokens, over the model's context of "
+                       f"{runtime.context_len}. Shorten it.")
+    if dropped:
+        gr.Info(f"The conversation outgrew the model's context of {runtime.context_len} tokens: the model "
+                f"sees it without its {dropped} oldest messages.")
+    params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=budget)
+    try:
+        stream = await runtime.open_stream(prompt, params)
+    except (QueueFull, EngineStopped) as e:
+        raise gr.Error(f"The server is busy ({e}); try again shortly.")
+    words, calls = "", stream.reader.function_calls
+    async for piece in stream:  # closing this generator (stop button) cancels the stream
+        words += piece
+        yield reply_messages(words, stream.tool_uses, calls=calls, answered=answered), replies
+    shown = reply_messages(words, stream.tool_uses, done=True, calls=calls, answered=answered)
+    replies[turn_key(_shown_texts(shown))] = stream.parts
+    yield shown, replies
 
 
 def build_ui(app: FastAPI) -> gr.Blocks:
@@ -150,39 +239,18 @@ def build_ui(app: FastAPI) -> gr.Blocks:
     described = describe_model_dir(settings.model_dir)
     gen, context = described["generation"], int(described["config"].get("seq_len", 1024))
 
-    async def respond(message, history, system_prompt, temperature, top_k, max_tokens, replies):
-        runtime = app.state.runtime
-        if runtime is None:
-            raise gr.Error("The model is still loading; try again in a moment.")
-        replies = dict(replies or {})
+    async def chat(*args):
+        turn = respond(app, *args)
         try:
-            prompt, budget, dropped = fit_prompt(runtime.tokenizer, runtime.context_len,
-                                                 to_messages(message, history, system_prompt, replies),
-                                                 int(max_tokens), runtime.defaults["max_tokens"])
-        except ChatFormatError as e:
-            raise gr.Error(str(e))
-        if len(prompt) >= runtime.context_len:
-            raise gr.Error(f"The message is {len(prompt)} tokens, over the model's context of "
-                           f"{runtime.context_len}. Shorten it.")
-        if dropped:
-            gr.Info(f"The conversation outgrew the model's context of {runtime.context_len} tokens: the model "
-                    f"sees it without its {dropped} oldest messages.")
-        params = runtime.sampling(temperature=temperature, top_k=int(top_k), max_tokens=budget)
-        try:
-            stream = await runtime.open_stream(prompt, params)
-        except (QueueFull, EngineStopped) as e:
-            raise gr.Error(f"The server is busy ({e}); try again shortly.")
-        words = ""
-        async for piece in stream:  # closing this generator (stop button) cancels the stream
-            words += piece
-            yield reply_messages(words, stream.tool_uses), replies
-        replies[words or EMPTY] = stream.parts
-        yield reply_messages(words, stream.tool_uses, done=True), replies
+            async for out in turn:
+                yield out
+        finally:  # the stop button closes this generator: close the turn now, which cancels its stream
+            await turn.aclose()
 
     with gr.Blocks(title="sparkchat", fill_height=True) as page:
         replies = gr.State({})
         gr.ChatInterface(
-            respond,
+            chat,
             title="sparkchat",
             description=model_line(settings.model_dir),
             textbox=gr.Textbox(placeholder="Message sparkchat", show_label=False, scale=7, autofocus=True,
@@ -190,6 +258,9 @@ def build_ui(app: FastAPI) -> gr.Blocks:
             examples=[[e] for e in EXAMPLES],
             additional_inputs=[
                 gr.Textbox(label="System prompt", value="", lines=2, render=False),
+                gr.Textbox(label=TOOLS_LABEL, value="", lines=3, render=False,
+                           placeholder='[{"type": "function", "function": {"name": "get_weather", "parameters": '
+                                       '{"type": "object", "properties": {"city": {"type": "string"}}}}}]'),
                 gr.Slider(0.0, 2.0, value=gen["temperature"], step=0.05, label="Temperature", render=False),
                 gr.Slider(0, 200, value=gen["top_k"], step=1, label="Top-k (0: off)", render=False),
                 gr.Slider(0, context, value=0, step=1, render=False,
@@ -198,7 +269,8 @@ def build_ui(app: FastAPI) -> gr.Blocks:
                 replies,
             ],
             additional_outputs=[replies],
-            additional_inputs_accordion=gr.Accordion("Settings: system prompt, sampling", open=False, render=False),
+            additional_inputs_accordion=gr.Accordion("Settings: system prompt, tools, sampling", open=False,
+                                                     render=False),
             stop_btn=True,
             fill_height=True,
         )

@@ -5,12 +5,15 @@ The parser is built without torch; the model code loads after the flags are read
 message and exits (as `ollama run MODEL TEXT`); lines piped in are a conversation, one message a line.
 
 A reply shows as the server shows it (model.chat.ReplyReader): the assistant's words, and each
-calculator use on a dimmed line of its own; the history keeps the reply's parts, so the next turn's
-prompt holds the calculator call and result exactly as the model wrote them.
+calculator use and each function call on a dimmed line of its own; the history keeps the reply's parts, so
+the next turn's prompt holds the calculator call and result exactly as the model wrote them. `--tools FILE`
+offers functions (OpenAI `tools` entries, checked as the server checks them); after a reply that calls one,
+the next line read is the call's result (a `tool` message, prompted `result> `), and the model goes on.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import sys
 
@@ -33,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="longest reply in tokens (default: the model's generation.json)")
     ap.add_argument("--system", default=None, help="system prompt (default: none)")
+    ap.add_argument("--tools", default=None, metavar="FILE",
+                    help="functions the model may call: a JSON file of OpenAI `tools` entries; a call's result is "
+                         "the next line you type (default: none)")
     ap.add_argument("-p", "--prompt", default=None, metavar="TEXT",
                     help="answer this one message, print the reply and exit (default: a conversation)")
     return ap
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{flag}: {undecodable(text)}")
     if args.prompt is not None and not args.prompt.strip():
         ap.error("--prompt: the message is empty")
+    tools = read_tools(ap, args.tools) if args.tools else None
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is said and skipped, not a traceback
         sys.stdin.reconfigure(errors="surrogateescape")
 
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
         try:
-            answer(engine, tok, messages + [{"role": "user", "content": args.prompt.strip()}], params, sys.stdout)
+            answer(engine, tok, messages + [{"role": "user", "content": args.prompt.strip()}], params, sys.stdout,
+                   tools)
         except Exception as e:  # a prompt the engine refuses, or a reply that failed
             sys.exit(f"sparkchat chat: {e}")
         finally:
@@ -90,8 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     print("sparkchat: type a message (Ctrl-D to quit, /clear to start over)", file=sys.stderr)
     try:
         while True:
+            role = "tool" if calls_of(messages) else "user"  # after a call: its result
             try:
-                text = input("> ").strip()
+                text = input("result> " if role == "tool" else "> ").strip()
             except (EOFError, KeyboardInterrupt):
                 print()
                 break
@@ -105,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"sparkchat chat: that line was not sent: {bad} (is the terminal set to UTF-8?); "
                       f"type it again", file=sys.stderr)
                 continue
-            messages.append({"role": "user", "content": text})
+            messages.append({"role": role, "content": text})
             try:
-                messages = answer(engine, tok, messages, params, sys.stdout)
+                messages = answer(engine, tok, messages, params, sys.stdout, tools)
             except Exception as e:  # a full queue or a prompt the engine refuses: say so, keep chatting
                 print(f"error: {e}", file=sys.stderr)
                 messages.pop()
@@ -115,13 +124,33 @@ def main(argv: list[str] | None = None) -> None:
         engine.shutdown()
 
 
-def answer(engine, tok, messages: list[dict], params, out) -> list[dict]:
-    """One exchange: prompts with `messages` (ending with the user's), streams the reply to `out` and
-    returns the conversation that goes on: the messages kept (the oldest exchanges are dropped, with a
-    note, when they outgrow the context) and the reply as its content parts."""
+def read_tools(ap: argparse.ArgumentParser, path: str) -> list[dict]:
+    """--tools FILE as model.tools takes the definitions, checked as the server checks a request's `tools`."""
+    from serve.tool_calls import parse_definitions
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_definitions(json.load(f), "--tools")
+    except OSError as e:
+        ap.error(f"--tools: cannot read {path} ({e.strerror})")
+    except ValueError as e:  # not JSON, or not tools
+        ap.error(str(e) if str(e).startswith("--tools") else f"--tools: {path} is not JSON ({e})")
+
+
+def calls_of(messages: list[dict]) -> list[str]:
+    """The function calls of the conversation's last message, when it is a reply that made some."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or isinstance(last["content"], str):
+        return []
+    return [p["text"] for p in last["content"] if p["type"] == "call"]
+
+
+def answer(engine, tok, messages: list[dict], params, out, tools: list[dict] | None = None) -> list[dict]:
+    """One exchange: prompts with `messages` (ending with the user's, or a call's result) and `tools`, streams
+    the reply to `out` and returns the conversation that goes on: the messages kept (the oldest exchanges
+    are dropped, with a note, when they outgrow the context) and the reply as its content parts."""
     from model.chat import fit_history, history_budget
     reserve = min(params.max_tokens, engine.max_len // REPLY_SHARE)
-    ids, messages, dropped = fit_history(tok, messages, history_budget(engine.max_len, reserve))
+    ids, messages, dropped = fit_history(tok, messages, history_budget(engine.max_len, reserve), tools)
     if dropped:
         kept = ", the system prompt kept" if messages[0]["role"] == "system" else ""
         dim, plain = (DIM, PLAIN) if sys.stderr.isatty() else ("", "")
@@ -132,8 +161,8 @@ def answer(engine, tok, messages: list[dict], params, out) -> list[dict]:
 
 def reply(engine, tok, ids: list[int], params, out) -> list[dict]:
     """Generate a reply to the prompt `ids`, streaming it to `out` (words as they come, each calculator
-    use on a dimmed line of its own); returns the reply's content parts for the history."""
-    from model.chat import ReplyReader, ToolUse
+    use and function call on a dimmed line of its own); returns the reply's content parts for the history."""
+    from model.chat import FunctionCall, ReplyReader, ToolUse
     from model.requests import Token
     events: queue.Queue = queue.Queue()
     engine.submit(ids, params, events.put)  # raises on a full queue or a prompt the engine refuses
@@ -144,8 +173,9 @@ def reply(engine, tok, ids: list[int], params, out) -> list[dict]:
     def show(items) -> None:
         nonlocal at_line_start, shown
         for item in items:
-            if isinstance(item, ToolUse):
-                item = f"{'' if at_line_start else chr(10)}{dim}  calculator: {item}{plain}\n"
+            if isinstance(item, (ToolUse, FunctionCall)):
+                kind = "calculator" if isinstance(item, ToolUse) else "call"
+                item = f"{'' if at_line_start else chr(10)}{dim}  {kind}: {item}{plain}\n"
             out.write(item)
             at_line_start, shown = item.endswith("\n"), True
         out.flush()

@@ -184,15 +184,9 @@ def conv_tool_chats():
     return CONV_TOOL_CHATS
 
 
-@pytest.fixture(scope="session")
-def conv_tool_model_dir(tmp_path_factory, serve_tokenizer):
-    """A 2-layer GPT that has learned CONV_TOOL_CHATS by heart (a few seconds of AdamW): asked one of
-    their questions greedily, it writes the calculator call, and the engine feeds the real result."""
-    from model.chat import render
+def conv_learned_model(tok, rows: list[list[int]]):
+    """A 2-layer GPT that has learned `rows` (rendered conversations) by heart: a few seconds of AdamW."""
     from model.gpt import GPT, GPTConfig
-    from model.model_dir import save_model_dir
-    tok = serve_tokenizer
-    rows = [render(tok, chat)[0] for chat in CONV_TOOL_CHATS]
     width = max(map(len, rows)) - 1
     x = torch.zeros(len(rows), width, dtype=torch.long)
     y = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -207,10 +201,44 @@ def conv_tool_model_dir(tmp_path_factory, serve_tokenizer):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 0.1, f"the tiny tool model did not learn its chats (loss {loss.item():.3f})"
+    assert loss.item() < 0.1, f"the tiny model did not learn its chats (loss {loss.item():.3f})"
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def conv_tool_model_dir(tmp_path_factory, serve_tokenizer):
+    """A 2-layer GPT that has learned CONV_TOOL_CHATS by heart: asked one of their questions greedily, it
+    writes the calculator call, and the engine feeds the real result."""
+    from model.chat import render
+    from model.model_dir import save_model_dir
+    model = conv_learned_model(serve_tokenizer, [render(serve_tokenizer, chat)[0] for chat in CONV_TOOL_CHATS])
     path = tmp_path_factory.mktemp("conv_tool_model")
-    save_model_dir(path, model.eval(), tok, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_tokens": 40,
-                                             "tool_use": True})
+    save_model_dir(path, model, serve_tokenizer, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_tokens": 40,
+                                                  "tool_use": True})
+    return path
+
+
+# a client's function, a conversation that calls it and uses its result, one where it does not fit
+CONV_FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}]
+CONV_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+CONV_CALL_CHATS = [
+    [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": [{"type": "call", "text": CONV_CALL}]},
+     {"role": "tool", "content": "21"}, {"role": "assistant", "content": "It is 21 in Paris."}],
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help you?"}],
+]
+
+
+@pytest.fixture(scope="session")
+def conv_call_model_dir(tmp_path_factory, serve_tokenizer):
+    """A 2-layer GPT that has learned CONV_CALL_CHATS (with CONV_FUNCTIONS offered) by heart: asked for the
+    weather in Paris greedily, it calls get_weather; given the result, it answers with it."""
+    from model.chat import render
+    from model.model_dir import save_model_dir
+    rows = [render(serve_tokenizer, chat, tools=CONV_FUNCTIONS)[0] for chat in CONV_CALL_CHATS]
+    path = tmp_path_factory.mktemp("conv_call_model")
+    save_model_dir(path, conv_learned_model(serve_tokenizer, rows), serve_tokenizer,
+                   {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_tokens": 80, "tool_use": False})
     return path
 
 
@@ -247,3 +275,14 @@ def engine_factory():
     yield make
     for e in engines:
         e.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_openai_client(serve_start, serve_model_dir):
+    """The official openai client on a server of the session's tiny random model (no UI): for the tests
+    whose replies a grammar shapes, whatever the model would write."""
+    import openai
+
+    from serve.api import Settings, create_app
+    server = serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False, device="cpu")))
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

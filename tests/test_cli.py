@@ -266,3 +266,24 @@ def test_chat_piped_is_plain_text(conv_tool_model_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("calculator: 37 + 58 → 95") == 1 and len(r.stdout.split("> ")) == 8
     assert "\033" not in r.stdout + r.stderr
+
+
+def test_chat_offers_tools_shows_a_call_and_takes_the_next_line_as_its_result(conv_call_model_dir, tmp_path):
+    """--tools FILE: the model that learned to call get_weather calls it, the call shows on a line of its own,
+    the next line read is its result (prompted `result> `), and the model answers with it."""
+    import json
+
+    from conftest import CONV_FUNCTIONS
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": f} for f in CONV_FUNCTIONS]))
+    r = sparkchat("chat", "--model", str(conv_call_model_dir), "--tools", str(tools), input="Weather in Paris?\n21\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == '>   call: get_weather {"city": "Paris"}\nresult> It is 21 in Paris.\n> \n'
+    r = sparkchat("chat", "--model", str(conv_call_model_dir), "--tools", str(tools), "-p", "Weather in Paris?")
+    assert r.stdout == '  call: get_weather {"city": "Paris"}\n'
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "a b"}}]))
+    r = sparkchat("chat", "--model", str(conv_call_model_dir), "--tools", str(tools), "-p", "Hi")
+    assert r.returncode == 2 and "--tools[0].function.name" in r.stderr
+    tools.write_text("[{")
+    r = sparkchat("chat", "--model", str(conv_call_model_dir), "--tools", str(tools), "-p", "Hi")
+    assert r.returncode == 2 and "--tools:" in r.stderr and "is not JSON" in r.stderr

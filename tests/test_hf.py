@@ -158,6 +158,50 @@ def test_chat_template_renders_what_render_renders(hf_tok, serve_tokenizer):
             template_ids(hf_tok, conv, gen_prompt)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                                            "days": {"type": "array", "items": {"type": ["integer", "null"]}}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+CALL = {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}
+
+
+def test_chat_template_renders_tools_and_calls_as_render_does(exported, hf_tok, serve_tokenizer):
+    """transformers' form of function calling (tools=..., an assistant's tool_calls, tool messages) gives the ids
+    render gives for the same conversation in sparkchat's form (functions, call parts, tool messages)."""
+    from model.tools import call_text
+    ours = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS]
+    call_part = {"type": "call", "text": call_text(CALL["name"], CALL["arguments"])}
+    convs = [  # (transformers' messages, sparkchat's messages)
+        ([{"role": "user", "content": "Weather in Zürich?"}],) * 2,
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}],) * 2,
+        ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Let me see.",
+                                                    "tool_calls": [{"type": "function", "function": CALL}]},
+          {"role": "tool", "content": "21"}],
+         [{"role": "user", "content": "Weather?"},
+          {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}, call_part]},
+          {"role": "tool", "content": "21"}]),
+    ]
+    for hf_conv, conv in convs:
+        want = render(serve_tokenizer, conv, for_completion=True, tools=ours)[0]
+        assert tool_template_ids(hf_tok, hf_conv, TOOLS) == want  # transformers' tools entries
+        assert tool_template_ids(hf_tok, hf_conv, ours) == want  # sparkchat's own {"name", "parameters"} entries
+    s = serve_tokenizer.special
+    assert want.count(s["<|tools_start|>"]) == 1 and s["<|call_start|>"] in want and s["<|result_start|>"] in want
+    # arguments as OpenAI sends them (a JSON string) render as given: compact JSON is render's call
+    wire = [dict(convs[2][0][1], tool_calls=[{"type": "function", "function": {
+        "name": CALL["name"], "arguments": json.dumps(CALL["arguments"], separators=(",", ":"), ensure_ascii=False)}}])]
+    assert tool_template_ids(hf_tok, [convs[2][0][0], *wire, convs[2][0][2]], TOOLS) == want
+    assert "apply_chat_template(messages, tools=[...])" in (exported / "README.md").read_text()  # the card says how
+    # a conversation with calls and results but no tools given renders as render renders it
+    assert tool_template_ids(hf_tok, convs[2][0], None) == render(serve_tokenizer, convs[2][1], for_completion=True)[0]
+
+
+def tool_template_ids(hf_tok, conv, tools) -> list[int]:
+    return list(hf_tok.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+
+
 def test_autotokenizer_round_trips_text(hf_tok, serve_tokenizer):
     from conftest import SERVE_TEXTS
     for text in [*SERVE_TEXTS[:5], "  leading and trailing  ", "tabs\tand\nnewlines\r\n", "ünïcödé 🚀🚀 ∑"]:

@@ -108,7 +108,12 @@ def test_the_sse_frames_name_their_event(client):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}] * 2}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ({"extra_body": {"foo": 1}}, "foo"),
@@ -117,7 +122,9 @@ def test_the_sse_frames_name_their_event(client):
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "[1]"}]}, "input[1].arguments"),
     ({"input": [{"role": "user", "content": "Hi"}, {"role": "developer", "content": "Be brief."}]}, "input[1].role"),
     ({"instructions": "Be brief.", "input": [{"role": "system", "content": "Be long."}]}, "input[0].role"),
     ({"input": "The quick brown fox jumps over the lazy dog. " * 40}, "input"),
@@ -143,3 +150,65 @@ def test_404_unknown_model(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="gpt-5", input="Hi")
     assert e.value.response.json()["error"]["code"] == "model_not_found"
+
+
+# ---- function calling: tools, tool_choice, function_call items out and function_call_output items back ----
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER},
+         {"type": "function", "name": "add", "description": "Add", "parameters": ADD}]
+
+
+def test_a_forced_call_is_a_function_call_item(client):
+    """tool_choice required or named: the grammar makes even the random model's reply one valid call."""
+    import jsonschema
+    for i, choice in enumerate(["required", {"type": "function", "name": "get_weather"}]):
+        r = client.responses.create(model="sparkchat", input=f"Help me {i}", tools=TOOLS, tool_choice=choice,
+                                    parallel_tool_calls=False, max_output_tokens=100, temperature=0)
+        assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]  # no empty message
+        call = r.output[0]
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), {"get_weather": WEATHER, "add": ADD}[call.name])
+        assert (r.tool_choice if isinstance(choice, str) else r.tool_choice.model_dump()) == choice
+        assert [t.name for t in r.tools] == ["get_weather", "add"]
+    assert call.name == "get_weather"
+
+
+def test_a_streamed_call_is_openais_event_sequence(client):
+    kw = dict(model="sparkchat", input="Help me", tools=TOOLS, tool_choice={"type": "function", "name": "add"},
+              max_output_tokens=100, temperature=0)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added, delta, done, item_done, final = events[2:]
+    assert added.item.type == "function_call" and added.item.arguments == "" and added.item.status == "in_progress"
+    whole = client.responses.create(**kw).output[0]  # greedy: the same call
+    assert delta.delta == done.arguments == item_done.item.arguments == whole.arguments
+    assert delta.item_id == done.item_id == added.item.id == item_done.item.id == final.response.output[0].id
+    assert final.response.output[0].call_id == added.item.call_id and item_done.item.name == "add"
+
+
+def test_auto_call_and_its_output_fed_back(serve_start, conv_call_model_dir):
+    """The model that learned to call get_weather chooses to (tool_choice auto), and answers with the
+    function_call_output sent back after its call item."""
+    from conftest import CONV_FUNCTIONS
+    server = serve_start(create_app(Settings(model_dir=conv_call_model_dir, ui=False)))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    tools = [{"type": "function", **f} for f in CONV_FUNCTIONS]
+    r = client.responses.create(model="sparkchat", input="Weather in Paris?", tools=tools, temperature=0)
+    call, = r.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    assert r.tool_choice == "auto"
+    back = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21"}]
+    r = client.responses.create(model="sparkchat", input=back, tools=tools, temperature=0)
+    assert r.output_text == "It is 21 in Paris." and [o.type for o in r.output] == ["message"]
+    streamed = list(client.responses.create(model="sparkchat", input=back, tools=tools, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == "It is 21 in Paris."

@@ -113,17 +113,18 @@ def test_merged_rows_give_the_same_gradient_as_every_rollout(serve_model):
 
 
 def test_training_prompts_are_never_held_out_and_the_same_every_run(tmp_path, monkeypatch, serve_tokenizer):
-    from pipeline.rollouts import PromptSource
+    from pipeline import tool_tasks
+    from pipeline.rollouts import TOOL_USE, PromptSource
     from pipeline.synthetic import generate_eval, normalize_prompt
     from sparkchat import paths
     monkeypatch.chdir(tmp_path)
     (tmp_path / paths.EVAL_ITEMS).mkdir(parents=True)
-    held = generate_eval(200, seed=1337)
+    held = {**generate_eval(200, seed=1337), TOOL_USE: tool_tasks.generate_eval(50, seed=1340)}  # replay reads both
     for task, items in held.items():
         (tmp_path / paths.EVAL_ITEMS / f"{task}.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
     r = RLParams(tasks=["spelling", "largest"])
     a, b = PromptSource(serve_tokenizer, r), PromptSource(serve_tokenizer, r)
-    held_out = {normalize_prompt(it["prompt"]) for items in held.values() for it in items}
+    held_out = {normalize_prompt(it["prompt"]) for t, items in held.items() if t != TOOL_USE for it in items}
     tasks = []
     for step in range(20):
         prompts = a.step(step, 16)
@@ -137,34 +138,46 @@ def test_training_prompts_are_never_held_out_and_the_same_every_run(tmp_path, mo
 
 
 def test_replay_is_sft_gold_of_the_tasks_not_trained_never_held_out(tmp_path, monkeypatch, serve_tokenizer):
-    """The replay term's rows: gold conversations of every SFT synthetic task not in rl.tasks, taking turns, none
-    a held-out item, the same every run, a rank's share the same rows as in one run; the mask is the training
-    renderer's (the gold reply's ids, without the calculator's output)."""
+    """The replay term's rows: gold conversations of every SFT synthetic task not in rl.tasks and of the tool-use
+    task, taking turns, none a held-out item, the same every run, a rank's share the same rows as in one run; the
+    mask is the training renderer's (the gold reply's ids, without the calculator's output or a tool's result)."""
     from model.chat import render
-    from pipeline.rollouts import PromptSource
+    from pipeline import tool_tasks
+    from pipeline.rollouts import TOOL_USE, PromptSource
     from pipeline.synthetic import TRAIN_MIX, generate_eval, normalize_prompt
     from sparkchat import paths
     monkeypatch.chdir(tmp_path)
     (tmp_path / paths.EVAL_ITEMS).mkdir(parents=True)
-    held = generate_eval(200, seed=1337)
+    held = {**generate_eval(200, seed=1337), TOOL_USE: tool_tasks.generate_eval(400, seed=1340)}
     for task, items in held.items():
         (tmp_path / paths.EVAL_ITEMS / f"{task}.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
     src = PromptSource(serve_tokenizer, RLParams(tasks=["largest"], replay_weight=1.0))
-    assert src.replayed == [t for t in TRAIN_MIX if t != "largest"]
+    assert src.replayed == [t for t in TRAIN_MIX if t != "largest"] + [TOOL_USE]
     assert PromptSource(serve_tokenizer, RLParams(tasks=["largest"], replay_weight=0.0)).replayed == []
-    held_out = {normalize_prompt(it["prompt"]) for items in held.values() for it in items}
+    held_out = {normalize_prompt(it["prompt"]) for t, items in held.items() if t != TOOL_USE for it in items}
+    held_tools = {tool_tasks.key(it) for it in held[TOOL_USE]}
     s = serve_tokenizer.special
+    tool_rows = 0
     for step in range(10):
         rows = src.replay(step, 12, 0, 12)
         assert [(r.ids, r.mask) for r in rows] == [(r.ids, r.mask) for r in src.replay(step, 12, 0, 6) + src.replay(step, 12, 6, 6)]
         for r in rows:
             user = serve_tokenizer.decode(r.ids[r.ids.index(s["<|user_start|>"]) + 1:r.ids.index(s["<|user_end|>"])])
-            assert normalize_prompt(user) not in held_out
             reply = r.ids[r.ids.index(s["<|assistant_start|>"]):]
+            if s["<|tools_start|>"] in r.ids:  # a tool-use conversation: its item is not a held-out one
+                tool_rows += 1
+                shown = serve_tokenizer.decode(r.ids[r.ids.index(s["<|tools_start|>"]) + 1:r.ids.index(s["<|tools_end|>"])])
+                assert (user, tuple(sig.split("(")[0] for sig in shown.split(";"))) not in held_tools
+                if s["<|result_start|>"] in r.ids:  # the result is given, not learned
+                    assert r.mask[r.ids.index(s["<|result_start|>"]) + 1] == 0
+                continue
+            assert normalize_prompt(user) not in held_out
             assert sum(r.mask) > 0 and render(serve_tokenizer, [{"role": "user", "content": user}],
                                               for_completion=True)[0] + reply[1:] == r.ids
             if s["<|output_start|>"] in r.ids:  # a calculator result is given, not learned
                 assert r.mask[r.ids.index(s["<|output_start|>"]) + 1] == 0
+    n = len(src.replayed)  # the tool-use task's turn: the last of the n
+    assert tool_rows == sum((step * 12 + i) % n == n - 1 for step in range(10) for i in range(12)) > 0
     assert src.replay(1, 12, 0, 12)[0].ids != src.replay(2, 12, 0, 12)[0].ids
 
 

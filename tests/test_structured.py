@@ -12,7 +12,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serve.api import Settings, create_app
 
 PROMPTS = ["Describe a person.", "Who lives in Verona?", "Give me a record.", "Hello!", "Make up a friend.",
            "A user, please.", "What is 12 + 30?", "Tell me about Juliet.", "Name someone.", "Any JSON."]
@@ -46,30 +45,20 @@ NESTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(serve_start, serve_model_dir):
-    return serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False, device="cpu")))
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def ask(i: int) -> list[dict]:
     return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
 
 
-def test_parse_with_a_pydantic_model_20_of_20(client):
-    parsed = [client.chat.completions.parse(model="sparkchat", messages=ask(i), response_format=Person,
+def test_parse_with_a_pydantic_model_20_of_20(serve_openai_client):
+    parsed = [serve_openai_client.chat.completions.parse(model="sparkchat", messages=ask(i), response_format=Person,
                                             max_tokens=110, seed=i).choices[0].message.parsed for i in range(20)]
     assert all(isinstance(p, Person) for p in parsed)
     assert len({p.model_dump_json() for p in parsed}) > 1  # sampled, not one canned reply
 
 
-def test_parse_streaming_20_of_20(client):
+def test_parse_streaming_20_of_20(serve_openai_client):
     for i in range(20):
-        with client.chat.completions.stream(model="sparkchat", messages=ask(i), response_format=Person,
+        with serve_openai_client.chat.completions.stream(model="sparkchat", messages=ask(i), response_format=Person,
                                             max_tokens=110, seed=100 + i) as stream:
             deltas = [e for e in stream if e.type == "content.delta"]
             final = stream.get_final_completion()
@@ -78,19 +67,19 @@ def test_parse_streaming_20_of_20(client):
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_nested_json_schema_20_of_20_valid(client, strict):
+def test_nested_json_schema_20_of_20_valid(serve_openai_client, strict):
     fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": NESTED, "strict": strict}}
     for i in range(20):
-        r = client.chat.completions.create(model="sparkchat", messages=ask(i), response_format=fmt,
+        r = serve_openai_client.chat.completions.create(model="sparkchat", messages=ask(i), response_format=fmt,
                                            max_tokens=110, seed=i, temperature=1.0)
         jsonschema.validate(json.loads(r.choices[0].message.content), NESTED)
         assert r.choices[0].finish_reason == "stop"
 
 
-def test_json_object_is_an_object(client):
+def test_json_object_is_an_object(serve_openai_client):
     done = 0
     for i in range(5):
-        r = client.chat.completions.create(model="sparkchat", messages=ask(i), max_tokens=110, seed=i,
+        r = serve_openai_client.chat.completions.create(model="sparkchat", messages=ask(i), max_tokens=110, seed=i,
                                            response_format={"type": "json_object"})
         assert r.choices[0].message.content.startswith("{")
         if r.choices[0].finish_reason == "stop":  # an unbounded object may run past max_tokens ("length")
@@ -99,19 +88,19 @@ def test_json_object_is_an_object(client):
     assert done
 
 
-def test_responses_text_format(client):
+def test_responses_text_format(serve_openai_client):
     fmt = {"type": "json_schema", "name": "report", "schema": NESTED, "strict": True}
-    r = client.responses.create(model="sparkchat", input="A report, please.", text={"format": fmt},
+    r = serve_openai_client.responses.create(model="sparkchat", input="A report, please.", text={"format": fmt},
                                 max_output_tokens=110)
     jsonschema.validate(json.loads(r.output_text), NESTED)
     assert r.text.format.type == "json_schema"
 
 
-def test_completions_guided_choice_and_regex(client):
-    r = client.completions.create(model="sparkchat", prompt="The colour is", max_tokens=10, n=4, seed=1,
+def test_completions_guided_choice_and_regex(serve_openai_client):
+    r = serve_openai_client.completions.create(model="sparkchat", prompt="The colour is", max_tokens=10, n=4, seed=1,
                                   extra_body={"guided_choice": ["red", "green", "blue"]})
     assert {c.text for c in r.choices} <= {"red", "green", "blue"}
-    r = client.completions.create(model="sparkchat", prompt="Call", max_tokens=12, seed=1,
+    r = serve_openai_client.completions.create(model="sparkchat", prompt="Call", max_tokens=12, seed=1,
                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
     assert r.choices[0].text[:3].isdigit() and r.choices[0].text[3] == "-" and len(r.choices[0].text) == 8
 
@@ -143,14 +132,14 @@ def test_unconstrained_rows_beside_a_constrained_one_are_unchanged(serve_model, 
     ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "response_format.json_schema.name"),
     ({"type": "xml"}, "response_format"),
 ])
-def test_bad_schemas_are_400s_naming_the_field(client, fmt, param):
+def test_bad_schemas_are_400s_naming_the_field(serve_openai_client, fmt, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="sparkchat", messages=ask(0), response_format=fmt)
+        serve_openai_client.chat.completions.create(model="sparkchat", messages=ask(0), response_format=fmt)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == param and err["message"]
 
 
-def test_schema_size_and_depth_are_bounded(client):
+def test_schema_size_and_depth_are_bounded(serve_openai_client):
     from model.grammar import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
     deep: dict = {"type": "string"}
     for _ in range(MAX_SCHEMA_DEPTH):
@@ -158,10 +147,10 @@ def test_schema_size_and_depth_are_bounded(client):
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_CHARS // 10)}}
     for schema, words in ((deep, "deeper"), (wide, "characters")):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="sparkchat", messages=ask(0), response_format={
+            serve_openai_client.chat.completions.create(model="sparkchat", messages=ask(0), response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
         assert words in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="sparkchat", input="hi", text={"format": {
+        serve_openai_client.responses.create(model="sparkchat", input="hi", text={"format": {
             "type": "json_schema", "name": "x", "schema": deep}})
     assert "text.format" in e.value.message

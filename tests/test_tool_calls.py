@@ -9,7 +9,6 @@ import jsonschema
 import openai
 import pytest
 
-from serve.api import Settings, create_app
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -22,18 +21,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
 SCHEMAS = {"add": ADD, "get_weather": WEATHER}
 
 
-@pytest.fixture(scope="module")
-def server(serve_start, serve_model_dir):
-    return serve_start(create_app(Settings(model_dir=serve_model_dir, ui=False, device="cpu")))
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def ask(client, i=0, **kw):
-    return client.chat.completions.create(model="sparkchat", messages=[{"role": "user", "content": f"Help me {i}"}],
+def ask(serve_openai_client, i=0, **kw):
+    return serve_openai_client.chat.completions.create(model="sparkchat", messages=[{"role": "user", "content": f"Help me {i}"}],
                                           tools=TOOLS, max_tokens=100, seed=i, **kw)
 
 
@@ -42,35 +31,35 @@ def valid(call, names=SCHEMAS) -> bool:
     return call.type == "function" and call.id.startswith("call_")
 
 
-def test_required_20_of_20_valid_calls(client):
+def test_required_20_of_20_valid_calls(serve_openai_client):
     for i in range(20):
-        r = ask(client, i, tool_choice="required", parallel_tool_calls=False)
+        r = ask(serve_openai_client, i, tool_choice="required", parallel_tool_calls=False)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 and valid(c.message.tool_calls[0])
 
 
-def test_named_function_20_of_20(client):
+def test_named_function_20_of_20(serve_openai_client):
     for i in range(20):
-        r = ask(client, i, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        r = ask(serve_openai_client, i, tool_choice={"type": "function", "function": {"name": "get_weather"}})
         calls = r.choices[0].message.tool_calls
         assert len(calls) == 1 and calls[0].function.name == "get_weather" and valid(calls[0])
 
 
-def test_streamed_tool_call_deltas(client):
-    chunks = list(ask(client, 3, tool_choice="required", parallel_tool_calls=False, stream=True))
+def test_streamed_tool_call_deltas(serve_openai_client):
+    chunks = list(ask(serve_openai_client, 3, tool_choice="required", parallel_tool_calls=False, stream=True))
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert len(deltas) == 1 and deltas[0].index == 0 and valid(deltas[0])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_none_makes_no_call_and_results_feed_back(client):
-    r = ask(client, 1, tool_choice="none")
+def test_none_makes_no_call_and_results_feed_back(serve_openai_client):
+    r = ask(serve_openai_client, 1, tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
-    first = ask(client, 2, tool_choice={"type": "function", "function": {"name": "add"}})
+    first = ask(serve_openai_client, 2, tool_choice={"type": "function", "function": {"name": "add"}})
     msg = first.choices[0].message
     back = [{"role": "user", "content": "Help me 2"}, msg.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"}]
-    r = client.chat.completions.create(model="sparkchat", messages=back, tools=TOOLS, tool_choice="none", max_tokens=8)
+    r = serve_openai_client.chat.completions.create(model="sparkchat", messages=back, tools=TOOLS, tool_choice="none", max_tokens=8)
     assert r.choices[0].message.content
 
 
@@ -87,15 +76,15 @@ def test_none_makes_no_call_and_results_feed_back(client):
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "not json"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "1"}]}, "messages[1].tool_calls[0].function.arguments"),
 ])
-def test_400s_name_the_field(client, kw, param):
+def test_400s_name_the_field(serve_openai_client, kw, param):
     body = {"model": "sparkchat", "messages": [{"role": "user", "content": "hi"}], **kw}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(**body)
+        serve_openai_client.chat.completions.create(**body)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == param and err["message"]
 
 
-def test_langchain_bind_tools_two_step_loop(server):
+def test_langchain_bind_tools_two_step_loop(serve_openai_client):
     """A call, its result, a final answer: LangChain's agent loop against the server."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
@@ -107,7 +96,8 @@ def test_langchain_bind_tools_two_step_loop(server):
         a: int = Field(ge=0, le=99)
         b: int = Field(ge=0, le=99)
 
-    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="sparkchat", max_tokens=90, max_retries=0)
+    llm = ChatOpenAI(base_url=str(serve_openai_client.base_url), api_key="unused", model="sparkchat", max_tokens=90,
+                     max_retries=0)
     messages = [HumanMessage("What is 2 + 3?")]
     ai = llm.bind_tools([add], tool_choice="add").invoke(messages)
     assert len(ai.tool_calls) == 1 and ai.tool_calls[0]["name"] == "add"
@@ -146,3 +136,25 @@ def test_the_tool_score_counts_right_calls_and_calls_where_none_fits():
     always = [[call_text(it["tools"][0]["name"], {})] for it in items]
     assert tool_tasks.score(items, wrong_args)["tool_call"] == 0.0
     assert tool_tasks.score(items, always)["tool_none"] == 0.0
+
+
+def test_the_tool_failures_say_how_each_reply_failed():
+    from model.tools import call_text
+    from pipeline import tool_tasks
+    items = tool_tasks.generate_eval(40, 3)
+    calls = [it for it in items if it["call"]]
+    nones = [it for it in items if not it["call"]]
+    gold = [[call_text(it["call"]["name"], it["call"]["arguments"])] if it["call"] else [] for it in items]
+    assert tool_tasks.failures(items, gold) == {}
+    other = {it["call"]["name"]: next(t["name"] for t in it["tools"] if t["name"] != it["call"]["name"]) for it in calls}
+    replies = {"no_call": [], "many_calls": gold[0] * 2 if items[0]["call"] else ["x", "y"], "not_a_call": ["{nope"]}
+    for kind, reply in replies.items():
+        assert tool_tasks.outcome(calls[0], reply) == kind
+    assert tool_tasks.outcome(calls[0], [call_text(other[calls[0]["call"]["name"]], {})]) == "wrong_function"
+    assert tool_tasks.outcome(calls[0], [call_text(calls[0]["call"]["name"], {"bogus": 1})]) == "invalid_arguments"
+    price = next(it for it in calls if it["call"]["name"] == "get_price")
+    assert tool_tasks.outcome(price, [call_text("get_price", {"item": "nothing"})]) == "wrong_arguments"
+    assert tool_tasks.outcome(nones[0], gold[items.index(calls[0])]) == "called_when_none_fits"
+    counted = tool_tasks.failures(items, [[] for _ in items])  # no call anywhere: every call item failed so
+    assert sum(n for per in counted.values() for n in per.values()) == len(calls) and "none" not in counted
+    assert all(set(per) == {"no_call"} for per in counted.values())

@@ -10,9 +10,10 @@ import gradio as gr
 import pytest
 from fastapi import FastAPI
 
-from model.chat import ToolUse
+from model.chat import FunctionCall, ToolUse
 from serve.api import Settings
-from serve.ui import EMPTY, EXAMPLES, TOOL_TITLE, build_ui, fit_prompt, model_line, reply_messages, to_messages
+from serve.ui import (CALL_TITLE, EMPTY, EXAMPLES, RESULT_TITLE, TOOL_TITLE, build_ui, fit_prompt, model_line,
+                      reply_messages, respond, to_messages, turn_key)
 from sparkchat import paths
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,11 +37,65 @@ def test_history_rebuilds_the_reply_parts(conv_tool_chats):
                {"role": "assistant", "content": [{"type": "text", "text": "```\n12 + 30\n```\nresult: `42`"}],
                 "metadata": {"title": TOOL_TITLE, "log": "12 + 30 → 42", "status": "done"}},
                {"role": "assistant", "content": [{"type": "text", "text": words}], "metadata": None}]
-    msgs = to_messages("Hello!", history, " Be brief. ", {words: trained["content"]})
+    key = turn_key(["```\n12 + 30\n```\nresult: `42`", words])  # the reply's messages, as it showed them
+    msgs = to_messages("Hello!", history, " Be brief. ", {key: trained["content"]})
     assert msgs == [{"role": "system", "content": "Be brief."}, question, trained,
                     {"role": "user", "content": "Hello!"}]
     # a reply the page did not produce (no parts kept for it) is its words
     assert to_messages("Hello!", history, "", {})[1] == {"role": "assistant", "content": words}
+
+
+CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+
+
+def test_a_function_call_shows_its_name_and_arguments_and_its_result_once_fed_back():
+    msgs = reply_messages("", [], done=True, calls=[FunctionCall(CALL)])
+    assert len(msgs) == 1 and msgs[0].metadata["title"] == f"{CALL_TITLE}: get_weather"  # no "(empty reply)"
+    assert 'get_weather {"city": "Paris"}' in msgs[0].content
+    fed = reply_messages("It is 21.", [], done=True, answered=[FunctionCall(CALL, "21")])
+    assert fed[0].metadata["title"] == RESULT_TITLE and 'get_weather {"city": "Paris"} → 21' in fed[0].content
+    assert fed[1].content == "It is 21." and not fed[1].metadata
+    # the history: the message after a reply that called is the call's result, a tool message
+    shown = [m.content for m in msgs]
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": shown[0], "metadata": msgs[0].metadata}]
+    parts = [{"type": "call", "text": CALL}]
+    assert to_messages("21", history, "", {turn_key(shown): parts}) == [
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": parts}, {"role": "tool", "content": "21"}]
+    assert to_messages("21", history, "", {})[-1]["role"] == "user"  # a reply the page did not make: its words
+
+
+def page_turn(server, *args) -> tuple[list, dict]:
+    """respond's last (messages, replies), run on the server's loop (where its runtime's streams live)."""
+    import asyncio
+
+    async def turn():
+        last = None
+        async for last in respond(server.app, *args):
+            pass
+        return last
+    return asyncio.run_coroutine_threadsafe(turn(), server.app.state.runtime.link.loop).result(60)
+
+
+@pytest.mark.timeout(300)  # a model trained and a server started first
+def test_the_page_offers_tools_shows_the_call_and_feeds_the_result_back(serve_start, conv_call_model_dir):
+    """The real model that learned to call get_weather: the page's Tools box offers it, the reply is the call,
+    and the user's next message goes back as its result, which the answer uses."""
+    from conftest import CONV_FUNCTIONS
+
+    from serve.api import create_app
+    server = serve_start(create_app(Settings(model_dir=conv_call_model_dir, ui=False, device="cpu")))
+    tools = json.dumps([{"type": "function", "function": f} for f in CONV_FUNCTIONS])
+    shown, replies = page_turn(server, "Weather in Paris?", [], "", tools, 0.0, 0, 0, {})
+    assert [m.metadata["title"] for m in shown] == [f"{CALL_TITLE}: get_weather"]
+    assert 'get_weather {"city": "Paris"}' in shown[0].content
+    history = [{"role": "user", "content": "Weather in Paris?"}] + [
+        {"role": "assistant", "content": m.content, "metadata": m.metadata} for m in shown]
+    shown, _ = page_turn(server, "21", history, "", tools, 0.0, 0, 0, replies)
+    assert shown[0].metadata["title"] == RESULT_TITLE and "→ 21" in shown[0].content
+    assert [m.content for m in shown[1:]] == ["It is 21 in Paris."]
+    with pytest.raises(gr.Error, match=r"Tools\[0\]\.function\.name"):
+        page_turn(server, "Hi", [], "", json.dumps([{"type": "function", "function": {"name": "a b"}}]), 0.0, 0, 0, {})
 
 
 def test_model_line_reads_the_model_dir_and_the_pipeline_reports(tmp_path, serve_model_dir):
