@@ -239,8 +239,9 @@ def build_ui(app: FastAPI) -> gr.Blocks:
     described = describe_model_dir(settings.model_dir)
     gen, context = described["generation"], int(described["config"].get("seq_len", 1024))
 
-    async def chat(*args):
-        turn = respond(app, *args)
+    # respond's own parameters by name: the page's API (/gradio_api/call/v2/respond) takes them as keywords
+    async def chat(message, history, system_prompt, tools_json, temperature, top_k, max_tokens, replies):
+        turn = respond(app, message, history, system_prompt, tools_json, temperature, top_k, max_tokens, replies)
         try:
             async for out in turn:
                 yield out
@@ -251,6 +252,7 @@ def build_ui(app: FastAPI) -> gr.Blocks:
         replies = gr.State({})
         gr.ChatInterface(
             chat,
+            api_name="respond",  # the page's API endpoint keeps its name (the function here is `chat`)
             title="sparkchat",
             description=model_line(settings.model_dir),
             textbox=gr.Textbox(placeholder="Message sparkchat", show_label=False, scale=7, autofocus=True,
