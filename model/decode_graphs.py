@@ -199,14 +199,14 @@ class DecodeGraphs:
     def _capture(self, rows: int, slots: int, k_max: int, extras: bool):
         view = self.cache.view(0, rows)
         saved = view.lengths.clone()
-        counts, bias = self.extras.counts[:rows], self.extras.bias[:rows]
+        counts, bias, mask = self.extras.counts[:rows], self.extras.bias[:rows], self.extras.mask[:rows]
         saved_counts = counts.clone() if extras else None
         s = self.settings[:rows]
 
         def step():
             logits = self.model(self.ids[:rows], kv_cache=view, kv_len=slots)[:, -1]
             if extras:
-                return extras_step(logits, s, counts, bias, self.ids[:rows, 0])
+                return extras_step(logits, s, counts, bias, self.ids[:rows, 0], mask)
             return self._sample(logits, s[:, TEMPERATURE], s[:, TOP_K].long(), s[:, TOP_P], s[:, UNIFORM], k_max), None
 
         def put_back():  # what the warm-up advanced: the cache lengths, and the counts it added to

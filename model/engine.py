@@ -28,9 +28,9 @@ plain sampler (its own CUDA graphs), so they cost such rows nothing. A prompt's 
 
 Grammars. A request whose params carry a `grammar` gets a `model.grammar.Constraint` from the engine's
 `grammars` callback at submit; before each of its tokens the ids the grammar forbids are masked out of its
-row's logits on the host's say (`mask_rows`), and the token it takes advances it. A step with such a row
-runs without a CUDA graph and is not run ahead (its mask needs the previous token); steps without one are
-unchanged.
+row's logits on the host's say (`mask_rows`; under CUDA graphs, written into the extras' mask rows, and
+the step replays the extras' graph), and the token it takes advances it. A step with such a row is not
+run ahead (its mask needs the previous token); steps without one are unchanged.
 
 Tools. If the model emits `tool_start ... tool_end` (the calculator call), the engine passes the ids in
 between to the `tool` callback and force-feeds the ids it returns (e.g. <|output_start|> 4
@@ -49,7 +49,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, LaunchedStep
 from .gpt import KVCache
-from .grammar import Constraint, mask_rows
+from .grammar import Constraint, mask_rows, write_masks
 from .requests import (MAX_BATCH, MAX_QUEUE, EngineStopped, Finished, PromptLogprobs, PromptTooLong, QueueFull, SamplingParams, Sink,
                        Token, Tool)
 from .sampling import IDLE, ExtrasBuffers, Uniforms, logprob_info, sample_rows, settings_row, top_alternatives
@@ -454,8 +454,10 @@ class Engine:
         settings = [IDLE if r.prefilling else r.settings() for r in reqs]  # IDLE draws no random number
         extras = any(r.params.extras and not r.prefilling for r in reqs)
         constrained = [(row, r.constraint) for row, r in enumerate(reqs) if r.constraint and not r.prefilling]
-        if self.graphs is not None and not constrained:  # the forward and the sampling in one graph replay
-            sampled, info = self.graphs.step(ids, settings, kv_len, extras)
+        if self.graphs is not None:  # the forward and the sampling in one graph replay
+            # a grammar's masks go in through the extras' mask rows, which that graph adds to the logits
+            write_masks(self.extras_buffers.mask, constrained)
+            sampled, info = self.graphs.step(ids, settings, kv_len, extras or bool(constrained))
         else:
             x = (ids if torch.is_tensor(ids) else torch.tensor(ids, dtype=torch.long, device=self.device)).view(n, 1)
             logits = self.model(x, kv_cache=self.cache.view(0, n), kv_len=kv_len)[:, -1]

@@ -142,12 +142,9 @@ class Grammars:
         return Constraint(matcher)
 
 
-def mask_rows(logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -> None:
-    """Set to -inf, in place, the logits (B, V) of every id that each (row, constraint) forbids next."""
-    if not constrained:
-        return
+def _forbidden(constrained: list[tuple[int, Constraint]], V: int, device) -> torch.Tensor:
+    """(len(constrained), V) bool on `device`: the ids each constraint forbids next."""
     import torch  # (here, not above: a server's front end checks grammars without loading torch)
-    V = logits.shape[-1]
     bitmask = torch.full((len(constrained), (V + 31) // 32), -1, dtype=torch.int32)
     for j, (_, c) in enumerate(constrained):
         c.fill(bitmask, j)
@@ -155,6 +152,23 @@ def mask_rows(logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -
     # here, not by llguidance.torch's apply (a torch.compile'd kernel: seconds of compiling at a server's
     # first constrained request, and again for new shapes)
     allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
-    forbidden = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
+    return torch.from_numpy(allowed == 0).to(device, non_blocking=True)
+
+
+def mask_rows(logits: torch.Tensor, constrained: list[tuple[int, Constraint]]) -> None:
+    """Set to -inf, in place, the logits (B, V) of every id that each (row, constraint) forbids next."""
+    if not constrained:
+        return
+    forbidden = _forbidden(constrained, logits.shape[-1], logits.device)
     for j, (row, _) in enumerate(constrained):
         logits[row].masked_fill_(forbidden[j], float("-inf"))
+
+
+def write_masks(mask: torch.Tensor, constrained: list[tuple[int, Constraint]]) -> None:
+    """Each (row, constraint)'s next-token mask into its row of `mask` (rows, V): -inf where forbidden, else
+    0, added to the logits by the sampler (`model.sampling.extras_step`, inside a CUDA graph)."""
+    if not constrained:
+        return
+    forbidden = _forbidden(constrained, mask.shape[-1], mask.device)
+    for j, (row, _) in enumerate(constrained):
+        mask[row].zero_().masked_fill_(forbidden[j], float("-inf"))

@@ -132,14 +132,15 @@ def top_alternatives(info: list[float], n: int) -> list[tuple[int, float]]:
 @dataclass
 class ExtrasBuffers:
     """The extras' per-row state on the device, a row per cache row, moved with its request: how often
-    each id was generated so far (the penalties) and the dense logit bias."""
+    each id was generated so far (the penalties), the dense logit bias, and a grammar's mask of the next
+    id (0 or -inf, written before each step of a constrained row: model.grammar.write_masks)."""
     counts: torch.Tensor
     bias: torch.Tensor
+    mask: torch.Tensor
 
     @classmethod
     def zeros(cls, rows: int, vocab_size: int, device) -> "ExtrasBuffers":
-        return cls(torch.zeros((rows, vocab_size), dtype=torch.float32, device=device),
-                   torch.zeros((rows, vocab_size), dtype=torch.float32, device=device))
+        return cls(*(torch.zeros((rows, vocab_size), dtype=torch.float32, device=device) for _ in range(3)))
 
     def reset_rows(self, start: int, logit_biases: list[dict[int, float] | None]) -> None:
         """New requests' rows start.. (one a bias): nothing generated yet, each its own logit bias (zero
@@ -147,6 +148,7 @@ class ExtrasBuffers:
         rows = slice(start, start + len(logit_biases))
         self.counts[rows].zero_()
         self.bias[rows].zero_()
+        self.mask[rows].zero_()
         for row, logit_bias in enumerate(logit_biases, start):
             if logit_bias:
                 ids, values = zip(*logit_bias.items())
@@ -157,16 +159,20 @@ class ExtrasBuffers:
         s, d = torch.as_tensor(src, device=self.counts.device), torch.as_tensor(dst, device=self.counts.device)
         self.counts[d] = self.counts[s]
         self.bias[d] = self.bias[s]
+        self.mask[d] = self.mask[s]
 
 
 def extras_step(logits: torch.Tensor, st: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor,
-                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ids: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampling with penalties, bias and logprobs for rows with settings `st` (B, N_SETTINGS).
 
     `ids` (B,), in a decode step, are the ids this step feeds: they are counted first (in place, in
     `counts`, for rows with a penalty), so `counts` holds every id generated before the one sampled
     now. Returns the sampled ids and `logprob_info` of each row's emitted id: the sampled one, or the
-    id a tool forces (column TARGET, -1 when none)."""
+    id a tool forces (column TARGET, -1 when none). `mask` (B, V), a grammar's (ExtrasBuffers.mask), is
+    added to the logits first, as model.grammar.mask_rows sets them in place where no graph runs."""
+    if mask is not None:
+        logits = logits.float() + mask
     if ids is not None:
         counting = ((st[:, PRESENCE] != 0) | (st[:, FREQUENCY] != 0)).float()
         counts.scatter_add_(1, ids.view(-1, 1), counting[:, None])

@@ -689,3 +689,44 @@ def test_row_products_give_the_linear_s_logits(monkeypatch):
     # the decode step calls no Linear; the 4-token prefill called them all
     assert calls.count(1) == 0 and calls.count(4) == 2 * 4 + 1, calls
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_constrained_row_replays_the_graphs_with_its_mask(replayed_graphs, serve_model, serve_tokenizer):
+    """Under graphs a grammar's mask goes in through the extras' mask rows (model.grammar.write_masks) and
+    the step replays the extras' graph: the ids of the engine without graphs, the constrained reply valid
+    JSON, and every step run from a graph."""
+    import json
+
+    from model.chat import STOP_TOKENS
+    from model.chat_engine import run_all
+    from model.grammar import Grammars, json_grammar
+    s = serve_tokenizer.special
+    grammars = Grammars(serve_tokenizer.to_str(), serve_model.config.vocab_size, s["<|assistant_end|>"])
+    prompt = [serve_tokenizer.bos_id] + serve_tokenizer.encode("Hello!")
+    array = json_grammar({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 3,
+                          "maxItems": 5})
+    jobs = [(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=i)) for i in range(3)] + [
+        (prompt, SamplingParams(temperature=1.0, max_tokens=60, seed=9, grammar=array))]
+
+    def run(graphs: bool):
+        engine = Engine(serve_model, EngineConfig(max_batch=4, run_ahead=False,
+                                                  stop_ids=tuple(s[name] for name in STOP_TOKENS)), grammars=grammars)
+        if graphs:
+            engine.graphs = replayed_graphs(serve_model, engine.cache, engine.extras_buffers,
+                                            engine.config.prefill_chunk, compile_blocks=False)
+        engine.start()
+        try:
+            replayed = []
+            if graphs:  # every decode step through DecodeGraphs.step, none through the plain forward
+                step = engine.graphs.step
+                engine.graphs.step = lambda *a, **k: replayed.append(a[3] if len(a) > 3 else k.get("extras")) or step(*a, **k)
+            ids = [[t.id for t in toks] for toks, _ in run_all(engine, jobs)]
+            return ids, replayed, engine.steps
+        finally:
+            engine.shutdown()
+
+    plain, _, _ = run(False)
+    graphed, replayed, steps = run(True)
+    assert graphed == plain
+    assert len(json.loads(serve_tokenizer.decode(graphed[3]))) >= 3
+    assert len(replayed) == steps and True in replayed  # the constrained steps replayed the extras' graph

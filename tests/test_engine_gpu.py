@@ -239,3 +239,29 @@ def test_row_products_under_graphs_give_the_eager_greedy_ids(monkeypatch):
         fast.shutdown()
     assert alone == want
     assert together == want
+
+
+def test_a_constrained_row_under_graphs_gives_the_eager_ids(serve_tokenizer):
+    """A grammar's mask through the extras' mask rows (model.grammar.write_masks) inside the graphs: the
+    constrained reply and its neighbours' equal the eager engine's (greedy, so the samplers agree)."""
+    from model.chat_engine import run_all
+    from model.grammar import Grammars, json_grammar
+    model = gpu_model()
+    eos = serve_tokenizer.special["<|assistant_end|>"]
+    grammars = Grammars(serve_tokenizer.to_str(), model.config.vocab_size, eos)
+    array = json_grammar({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 5})
+    jobs = [(p, SamplingParams(temperature=0.0, max_tokens=24)) for p in prompts()[:3]] + [
+        (prompts()[3], SamplingParams(temperature=0.0, max_tokens=24, grammar=array))]
+
+    def run(graphs: bool):
+        engine = Engine(model, EngineConfig(max_batch=8, cuda_graphs=graphs, run_ahead=False, stop_ids=(eos,)),
+                        grammars=grammars).start()
+        try:
+            return [[t.id for t in toks] for toks, _ in run_all(engine, jobs)], engine.graphs
+        finally:
+            engine.shutdown()
+
+    eager, _ = run(False)
+    graphed, graphs = run(True)
+    assert graphed == eager
+    assert any(key[3] for key in graphs.graphs)  # (rows, slots, k_max, extras): the extras' graphs ran
