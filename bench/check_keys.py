@@ -20,10 +20,13 @@ TEXT_KEYS = ("commit", "date")
 
 
 def find(data, key: str) -> list:
-    """Every value stored under `key` anywhere in `data`."""
+    """Every value stored under `key` anywhere in `data`, save_json's `provenance` record aside (what
+    ran, not a claim: its `commit` is None for a tree with changes, which its `tree_hash` names)."""
     found = []
     if isinstance(data, dict):
         for k, v in data.items():
+            if k == "provenance":
+                continue
             if k == key:
                 found.append(v)
             found += find(v, key)
