@@ -45,7 +45,7 @@ from . import serving, tool_calls
 from .errors import APIError
 from .runtime import Runtime, TextStream
 from .sse import Last
-from .schemas import (MAX_TOOLS, NAME_PATTERN, FunctionDef, FunctionName, NamedToolChoice, ResponsesText, ToolDef,
+from .schemas import (MAX_TOOLS, FunctionDef, FunctionName, NamedToolChoice, ResponsesText, ToolDef,
                       _Strict, _unsupported)
 from .structured import format_grammar
 
@@ -95,12 +95,9 @@ class FunctionCallOutputItem(_Strict):
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDef):
+    """A Responses tool: chat's function definition with its `type` beside its fields, not around them."""
     type: Literal["function"]
-    name: str = Field(pattern=NAME_PATTERN)
-    description: Optional[str] = Field(None, description="accepted; the model sees only the signature")
-    parameters: Optional[dict] = Field(None, description="a JSON schema of the arguments object")
-    strict: Optional[bool] = None
 
 
 class FunctionToolChoice(_Strict):
